@@ -1,0 +1,167 @@
+"""The machinery every exercise checker uses.
+
+A checker runs the learner's code and the course's reference on the same randomized and edge cases and
+prints one of three things:
+
+* a pass mark,
+* exactly what differed: the input, the expected value, what the learner's code returned,
+* "not implemented yet" when the exercise still raises ``NotImplementedError``.
+
+It returns a :class:`CheckResult` whose ``use`` is the learner's implementation when it passed and the
+reference otherwise, so the rest of a notebook runs either way ("Run all" never crashes on an unsolved
+exercise). With ``COURSE_STRICT=1`` (set when CI or the instructor executes the solutions) a failure or
+an unsolved exercise raises :class:`ExerciseFailed` instead.
+"""
+
+from __future__ import annotations
+
+import os
+import traceback
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable
+
+
+class ExerciseFailed(AssertionError):
+    """Raised in strict mode when an exercise is unsolved or wrong."""
+
+
+def is_strict() -> bool:
+    return os.environ.get("COURSE_STRICT", "").lower() not in ("", "0", "false")
+
+
+@dataclass
+class CheckResult:
+    name: str
+    passed: bool
+    message: str
+    use: Any = None  # what the notebook should go on with: the learner's code if it passed, else the reference
+    implemented: bool = True
+
+    def __bool__(self) -> bool:
+        return self.passed
+
+
+def short(value: Any, limit: int = 300) -> str:
+    """repr() cut to a readable length (tensors summarised by shape and dtype)."""
+    try:
+        import torch
+
+        if isinstance(value, torch.Tensor):
+            if value.numel() <= 16:
+                text = f"tensor({value.tolist()}, dtype={value.dtype})"
+            else:
+                text = f"tensor(shape={tuple(value.shape)}, dtype={value.dtype})"
+            return text
+    except ImportError:  # pragma: no cover
+        pass
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 5] + " ...)"
+
+
+def _finish(result: CheckResult, quiet: bool) -> CheckResult:
+    if not quiet:
+        print(result.message)
+    if is_strict() and not result.passed:
+        raise ExerciseFailed(result.message)
+    return result
+
+
+def not_implemented(name: str, reference: Any, quiet: bool = False) -> CheckResult:
+    msg = (
+        f"[not solved] Exercise '{name}': not implemented yet. Fill in the cell above and run this check "
+        f"again. The rest of the notebook uses the course's reference implementation meanwhile."
+    )
+    return _finish(CheckResult(name, False, msg, use=reference, implemented=False), quiet)
+
+
+def failed(name: str, detail: str, reference: Any, quiet: bool = False) -> CheckResult:
+    msg = (
+        f"[try again] Exercise '{name}': {detail}\n"
+        f"(The rest of the notebook uses the course's reference implementation until this passes.)"
+    )
+    return _finish(CheckResult(name, False, msg, use=reference), quiet)
+
+
+def passed(name: str, detail: str, learner: Any, quiet: bool = False) -> CheckResult:
+    return _finish(CheckResult(name, True, f"[passed] Exercise '{name}': {detail}", use=learner), quiet)
+
+
+def _raised(name: str, case_text: str, err: BaseException, reference: Any, quiet: bool) -> CheckResult:
+    where = traceback.extract_tb(err.__traceback__)[-1]
+    return failed(
+        name,
+        f"on input {case_text} your code raised {type(err).__name__}: {err} "
+        f"(line {where.lineno}: {where.line})",
+        reference,
+        quiet,
+    )
+
+
+def default_equal(expected: Any, got: Any) -> bool:
+    try:
+        import torch
+
+        if isinstance(expected, torch.Tensor) or isinstance(got, torch.Tensor):
+            return (
+                isinstance(expected, torch.Tensor)
+                and isinstance(got, torch.Tensor)
+                and expected.shape == got.shape
+                and bool(torch.equal(expected.to(got.dtype), got))
+            )
+    except ImportError:  # pragma: no cover
+        pass
+    return expected == got
+
+
+def check_function(
+    name: str,
+    learner: Callable,
+    reference: Callable,
+    cases: Iterable[tuple],
+    *,
+    equal: Callable[[Any, Any], bool] = default_equal,
+    show_input: Callable[[tuple], str] | None = None,
+    explain: Callable[[tuple, Any, Any], str] | None = None,
+    quiet: bool = False,
+) -> CheckResult:
+    """Call ``learner(*case)`` and ``reference(*case)`` for every case; the first difference is reported.
+
+    ``explain(case, expected, got)`` may add a hint about the likely mistake.
+    """
+    cases = list(cases)
+    show_input = show_input or (lambda case: ", ".join(short(a) for a in case))
+    for case in cases:
+        expected = reference(*case)
+        try:
+            got = learner(*case)
+        except NotImplementedError:
+            return not_implemented(name, reference, quiet)
+        except Exception as err:  # noqa: BLE001 - any learner error becomes feedback
+            return _raised(name, f"({show_input(case)})", err, reference, quiet)
+        if not equal(expected, got):
+            hint = explain(case, expected, got) if explain else ""
+            return failed(
+                name,
+                f"on input ({show_input(case)})\n    expected: {short(expected)}\n    got:      {short(got)}"
+                + (f"\n    hint: {hint}" if hint else ""),
+                reference,
+                quiet,
+            )
+    return passed(name, f"all {len(cases)} cases match the reference (randomized and edge cases).", learner, quiet)
+
+
+def expect_error(
+    name: str, fn: Callable, args: tuple, error: type[BaseException] | tuple, what: str, reference: Any, quiet: bool
+) -> CheckResult | None:
+    """None when ``fn(*args)`` raises ``error``; otherwise a failed result saying what should have happened."""
+    try:
+        fn(*args)
+    except NotImplementedError:
+        return not_implemented(name, reference, quiet)
+    except error:
+        return None
+    except Exception as err:  # noqa: BLE001
+        names = error.__name__ if isinstance(error, type) else " or ".join(e.__name__ for e in error)
+        return failed(name, f"{what}: expected {names}, but your code raised {type(err).__name__}: {err}", reference, quiet)
+    names = error.__name__ if isinstance(error, type) else " or ".join(e.__name__ for e in error)
+    return failed(name, f"{what}: expected a {names}, but your code returned normally", reference, quiet)

@@ -1,0 +1,189 @@
+"""Where the course is running, and the profile that sizes every experiment.
+
+Three profiles, chosen once per process:
+
+* ``gpu`` - a CUDA device (a Colab T4, say): real OPT-125m sizes, fp16, compiled Triton kernels.
+* ``cpu`` - a CPU runtime or a laptop: OPT-125m geometry, fp32, Triton in interpreter mode.
+* ``ci``  - the smallest sizes, fp32, a tiny random OPT, so the whole course executes in minutes.
+
+The profile comes from the ``COURSE_PROFILE`` environment variable (``gpu`` / ``cpu`` / ``ci``); left
+unset it is ``gpu`` when CUDA is available, ``ci`` when the ``CI`` variable is set, else ``cpu``.
+
+Importing this module sets ``TRITON_INTERPRET=1`` when there is no CUDA device, because Triton reads
+that variable when a kernel is *defined*: it must be set before ``lesson_utils.kernels`` is imported.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import sys
+import warnings
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any
+
+PROFILES = ("gpu", "cpu", "ci")
+
+# Versions the course is tested with (inclusive lower bound, exclusive upper bound on the major.minor).
+# Outside this range the course warns; it never reinstalls anything.
+TESTED_RANGES = {
+    "python": ((3, 10), (3, 14)),
+    "torch": ((2, 4), (2, 15)),
+    "triton": ((3, 0), (3, 10)),
+    "transformers": ((4, 45), (5, 30)),
+}
+
+
+def _cuda_available() -> bool:
+    try:
+        import torch
+    except ImportError:  # pragma: no cover - torch is required by every lesson
+        return False
+    return torch.cuda.is_available()
+
+
+def in_colab() -> bool:
+    """True inside a Google Colab runtime."""
+    return "google.colab" in sys.modules or "COLAB_RELEASE_TAG" in os.environ
+
+
+def _choose_profile() -> str:
+    requested = os.environ.get("COURSE_PROFILE", "").strip().lower()
+    if requested:
+        if requested not in PROFILES:
+            raise ValueError(
+                f"COURSE_PROFILE={requested!r} is not a profile; choose one of {', '.join(PROFILES)}"
+            )
+        if requested == "gpu" and not _cuda_available():
+            raise RuntimeError("COURSE_PROFILE=gpu was requested but torch sees no CUDA device")
+        return requested
+    if _cuda_available():
+        return "gpu"
+    if os.environ.get("CI", "").lower() not in ("", "0", "false"):
+        return "ci"
+    return "cpu"
+
+
+if not _cuda_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+@dataclass(frozen=True)
+class Profile:
+    """The device and sizes one run of the course uses."""
+
+    name: str  # "gpu", "cpu" or "ci"
+    device: str  # "cuda" or "cpu"
+    device_name: str  # e.g. "Tesla T4" or "CPU (x86_64, 2 cores)"
+
+    @property
+    def dtype(self):
+        """fp16 on a GPU (a T4 has no bf16), fp32 on a CPU."""
+        import torch
+
+        return torch.float16 if self.device == "cuda" else torch.float32
+
+    @property
+    def on_gpu(self) -> bool:
+        return self.device == "cuda"
+
+    def pick(self, *, gpu: Any, cpu: Any, ci: Any) -> Any:
+        """Choose a size by profile: ``n = P.pick(gpu=4096, cpu=512, ci=64)``."""
+        return {"gpu": gpu, "cpu": cpu, "ci": ci}[self.name]
+
+    def label(self) -> str:
+        """Short text for plot titles and printed measurements: says what ran it."""
+        return f"{self.device_name}, {self.name} profile"
+
+
+def _device_name(device: str) -> str:
+    if device == "cuda":
+        import torch
+
+        return torch.cuda.get_device_name(0)
+    return f"CPU ({platform.machine()}, {os.cpu_count()} cores)"
+
+
+@lru_cache(maxsize=1)
+def get_profile() -> Profile:
+    """The profile of this process (computed once)."""
+    name = _choose_profile()
+    device = "cuda" if name == "gpu" else "cpu"
+    return Profile(name=name, device=device, device_name=_device_name(device))
+
+
+def supports_bf16() -> bool:
+    """Native bf16 only from compute capability 8.0. (A T4 reports bf16 'supported' through emulation.)"""
+    import torch
+
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 0)
+
+
+def _version_tuple(text: str) -> tuple[int, int]:
+    parts = []
+    for piece in text.split("+")[0].split(".")[:2]:
+        digits = "".join(ch for ch in piece if ch.isdigit())
+        parts.append(int(digits) if digits else 0)
+    while len(parts) < 2:
+        parts.append(0)
+    return tuple(parts)  # type: ignore[return-value]
+
+
+def versions() -> dict[str, str]:
+    """Versions of what the course depends on; 'missing' where a package is not installed."""
+    found = {"python": platform.python_version()}
+    for module in ("torch", "triton", "transformers", "numpy", "ipywidgets"):
+        try:
+            found[module] = __import__(module).__version__
+        except Exception:  # noqa: BLE001 - a broken install is reported, not raised
+            found[module] = "missing"
+    return found
+
+
+def version_warnings(found: dict[str, str] | None = None) -> list[str]:
+    """One line per package outside the tested range (or missing)."""
+    found = versions() if found is None else found
+    problems = []
+    for name, (low, high) in TESTED_RANGES.items():
+        text = found.get(name, "missing")
+        if text == "missing":
+            problems.append(f"{name} is not installed")
+            continue
+        got = _version_tuple(text)
+        if not (low <= got < high):
+            problems.append(
+                f"{name} {text} is outside the tested range "
+                f"{low[0]}.{low[1]} to below {high[0]}.{high[1]}"
+            )
+    return problems
+
+
+def banner() -> str:
+    """One line: device, profile and versions. Every notebook prints it at the top."""
+    p = get_profile()
+    v = versions()
+    where = "Colab" if in_colab() else "local"
+    mode = "compiled" if p.on_gpu else "interpreter"
+    return (
+        f"{p.device_name} | profile {p.name} ({str(p.dtype).replace('torch.', '')}) | {where} | "
+        f"python {v['python']}, torch {v['torch']}, triton {v['triton']} ({mode}), "
+        f"transformers {v['transformers']}"
+    )
+
+
+def setup(seed: int = 0) -> Profile:
+    """Print the banner, warn about untested versions, seed the RNGs; returns the profile."""
+    import random
+
+    import numpy as np
+    import torch
+
+    p = get_profile()
+    print(banner())
+    for line in version_warnings():
+        warnings.warn(f"{line}. The course may still work; it was not tested with it.", stacklevel=2)
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    return p

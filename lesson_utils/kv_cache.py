@@ -1,0 +1,152 @@
+"""The seam between the model and a KV cache.
+
+The compact OPT forward (``lesson_utils.opt_forward``) never stores keys and values itself: each step it
+hands them to a cache object and asks the same object for attention. Lesson 01 plugs in a contiguous
+arena, lesson 03 a paged cache, lesson 04 a Triton kernel; this module holds the interface they share,
+the plain-torch attention every cache is checked against, and the simplest possible cache.
+
+A step processes a *flat* batch of new tokens from several sequences at once: a whole prompt for a
+sequence being prefilled, one token for a sequence being decoded.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+
+@dataclass
+class StepBatch:
+    """The new tokens of one forward step, flattened across sequences.
+
+    Invariants: ``len(seq_ids) == len(query_lens) == len(context_lens)``;
+    ``input_ids.shape == positions.shape == (sum(query_lens),)``; sequence ``i``'s new tokens are the
+    contiguous run ``input_ids[starts[i] : starts[i] + query_lens[i]]`` and sit at positions
+    ``context_lens[i] - query_lens[i] ... context_lens[i] - 1`` of that sequence.
+    """
+
+    seq_ids: list[int]
+    query_lens: list[int]
+    context_lens: list[int]  # tokens held for the sequence once this step's K/V are written
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    extra: dict = field(default_factory=dict)  # room for a cache's own per-step data (slot mapping, ...)
+
+    @property
+    def starts(self) -> list[int]:
+        out, total = [], 0
+        for n in self.query_lens:
+            out.append(total)
+            total += n
+        return out
+
+    @property
+    def num_tokens(self) -> int:
+        return int(sum(self.query_lens))
+
+    @classmethod
+    def build(cls, seq_ids, new_tokens, context_before, device="cpu") -> "StepBatch":
+        """Make a step from each sequence's new token ids and how many tokens it already had cached."""
+        if not (len(seq_ids) == len(new_tokens) == len(context_before)):
+            raise ValueError("seq_ids, new_tokens and context_before must have the same length")
+        ids, pos, qlens, clens = [], [], [], []
+        for toks, before in zip(new_tokens, context_before):
+            if len(toks) == 0:
+                raise ValueError("every sequence in a step needs at least one new token")
+            ids.extend(int(t) for t in toks)
+            pos.extend(range(before, before + len(toks)))
+            qlens.append(len(toks))
+            clens.append(before + len(toks))
+        return cls(
+            seq_ids=list(seq_ids),
+            query_lens=qlens,
+            context_lens=clens,
+            input_ids=torch.tensor(ids, dtype=torch.long, device=device),
+            positions=torch.tensor(pos, dtype=torch.long, device=device),
+        )
+
+
+class KVCache(Protocol):
+    """What the model needs from a cache. ``k``/``v``/``q`` are ``[num_tokens, heads, head_dim]``."""
+
+    def prepare(self, batch: StepBatch) -> None:
+        """Find room for this step's new tokens (called once per step, before layer 0)."""
+
+    def write(self, layer: int, batch: StepBatch, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store the new tokens' keys and values for ``layer``."""
+
+    def attend(self, layer: int, batch: StepBatch, q: torch.Tensor, scale: float) -> torch.Tensor:
+        """Causal attention of each new token over its own sequence's cached tokens."""
+
+    def free(self, seq_id: int) -> None:
+        """Forget a finished sequence and give its memory back."""
+
+
+def attention_over_context(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Reference attention for one sequence.
+
+    ``q``: ``[q_len, heads, d]`` - the last ``q_len`` tokens of the sequence;
+    ``k``, ``v``: ``[ctx, kv_heads, d]`` - all of its tokens, ``ctx >= q_len``; ``heads`` a multiple of
+    ``kv_heads`` (grouped-query attention). Query ``j`` sees keys ``0 .. ctx - q_len + j``.
+    Computed in fp32, returned in ``q``'s dtype.
+    """
+    q_len, heads, _ = q.shape
+    ctx, kv_heads, _ = k.shape
+    if ctx < q_len:
+        raise ValueError(f"context ({ctx}) is shorter than the queries ({q_len})")
+    if heads % kv_heads:
+        raise ValueError(f"{heads} query heads is not a multiple of {kv_heads} kv heads")
+    group = heads // kv_heads
+    kf = k.float().repeat_interleave(group, dim=1)  # [ctx, heads, d]
+    vf = v.float().repeat_interleave(group, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q.float(), kf) * scale
+    first_query_pos = ctx - q_len
+    query_pos = torch.arange(q_len, device=q.device)[:, None] + first_query_pos
+    key_pos = torch.arange(ctx, device=q.device)[None, :]
+    scores = scores.masked_fill(key_pos > query_pos, -math.inf)
+    out = torch.einsum("hqk,khd->qhd", scores.softmax(dim=-1), vf)
+    return out.to(q.dtype)
+
+
+class DenseKVCache:
+    """The simplest cache: one growing tensor per sequence and layer (``torch.cat`` on every step).
+
+    Not a memory manager at all - it is the reference the real caches are compared with.
+    Invariant: ``self.k[layer][seq].shape[0]`` equals the sequence's context length after each write.
+    """
+
+    def __init__(self, num_layers: int):
+        self.num_layers = num_layers
+        self.k: list[dict[int, torch.Tensor]] = [dict() for _ in range(num_layers)]
+        self.v: list[dict[int, torch.Tensor]] = [dict() for _ in range(num_layers)]
+
+    def prepare(self, batch: StepBatch) -> None:
+        for sid, qlen, clen in zip(batch.seq_ids, batch.query_lens, batch.context_lens):
+            have = self.k[0][sid].shape[0] if sid in self.k[0] else 0
+            if have != clen - qlen:
+                raise ValueError(f"sequence {sid} has {have} cached tokens, the step expects {clen - qlen}")
+
+    def write(self, layer, batch, k, v):
+        for sid, start, n in zip(batch.seq_ids, batch.starts, batch.query_lens):
+            new_k, new_v = k[start : start + n], v[start : start + n]
+            if sid in self.k[layer]:
+                new_k = torch.cat([self.k[layer][sid], new_k])
+                new_v = torch.cat([self.v[layer][sid], new_v])
+            self.k[layer][sid], self.v[layer][sid] = new_k, new_v
+
+    def attend(self, layer, batch, q, scale):
+        out = torch.empty_like(q)
+        for sid, start, n in zip(batch.seq_ids, batch.starts, batch.query_lens):
+            out[start : start + n] = attention_over_context(
+                q[start : start + n], self.k[layer][sid], self.v[layer][sid], scale
+            )
+        return out
+
+    def free(self, seq_id: int) -> None:
+        if seq_id not in self.k[0]:
+            raise KeyError(f"sequence {seq_id} holds nothing in this cache (never written, or freed twice)")
+        for layer in range(self.num_layers):
+            del self.k[layer][seq_id], self.v[layer][seq_id]
