@@ -1,0 +1,93 @@
+"""Lesson 00: exact KV-cache byte accounting from a model config.
+
+Every token of every layer stores one key and one value vector per KV head:
+``bytes per token = 2 (K and V) x layers x kv_heads x head_dim x bytes per element``.
+For OPT-125m in fp16 that is 2 x 12 x 12 x 64 x 2 = 36,864 B (36 KiB), as the paper's §3 computes
+800 KB for OPT-13B.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+GiB = 2**30
+MiB = 2**20
+KiB = 2**10
+
+T4_VISIBLE_BYTES = 15 * GiB  # what Colab shows of a T4's 16 GB
+DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2, "int8": 1}
+
+
+def kv_heads_of(config) -> int:
+    """KV heads of a Hugging Face config (grouped-query models say so; OPT has one per query head)."""
+    kv = getattr(config, "num_key_value_heads", None)
+    return int(kv) if kv else int(config.num_attention_heads)
+
+
+def head_dim_of(config) -> int:
+    explicit = getattr(config, "head_dim", None)
+    return int(explicit) if explicit else int(config.hidden_size) // int(config.num_attention_heads)
+
+
+def kv_bytes_per_token(config, dtype_bytes: int) -> int:
+    """Bytes of K and V one token occupies across all layers (the reference for exercise 00-1)."""
+    return 2 * int(config.num_hidden_layers) * kv_heads_of(config) * head_dim_of(config) * int(dtype_bytes)
+
+
+def count_parameters(config) -> int:
+    """Parameters of an OPT model from its config (embeddings tied with the output layer)."""
+    h, f, L, V = config.hidden_size, config.ffn_dim, config.num_hidden_layers, config.vocab_size
+    proj = getattr(config, "word_embed_proj_dim", h)
+    embed = V * proj + (config.max_position_embeddings + 2) * h
+    if proj != h:
+        embed += 2 * proj * h  # project_in and project_out
+    per_layer = 4 * (h * h + h) + (h * f + f) + (f * h + h) + 2 * 2 * h  # attention, FFN, two layer norms
+    final_ln = 2 * h if getattr(config, "do_layer_norm_before", True) and not getattr(config, "_remove_final_layer_norm", False) else 0
+    return embed + L * per_layer + final_ln
+
+
+@dataclass(frozen=True)
+class KVBudget:
+    """How a GPU's memory splits between weights, a reserve for activations, and the KV cache."""
+
+    gpu_bytes: int
+    weight_bytes: int
+    reserve_bytes: int
+    kv_bytes: int
+    bytes_per_token: int
+
+    @property
+    def tokens(self) -> int:
+        return self.kv_bytes // self.bytes_per_token
+
+    def requests_at(self, tokens_per_request: int) -> int:
+        return self.tokens // tokens_per_request
+
+
+def kv_budget(
+    config,
+    dtype_bytes: int = 2,
+    gpu_bytes: int = T4_VISIBLE_BYTES,
+    utilization: float = 0.9,
+    activation_reserve_bytes: int = 0,
+) -> KVBudget:
+    """KV budget the way vLLM sizes it: ``utilization`` of the GPU, minus weights and a reserve.
+
+    ``utilization`` = 0.9 is vLLM's default ``gpu_memory_utilization``; the rest is left for the CUDA
+    context and allocator slack. ``activation_reserve_bytes`` is the peak activation memory of a
+    forward pass, measured or estimated; 0 by default.
+    """
+    if not 0 < utilization <= 1:
+        raise ValueError(f"utilization must lie in (0, 1], got {utilization}")
+    weights = count_parameters(config) * dtype_bytes
+    kv = int(gpu_bytes * utilization) - weights - activation_reserve_bytes
+    if kv <= 0:
+        raise ValueError("the weights and reserve leave no memory for the KV cache")
+    return KVBudget(gpu_bytes, weights, activation_reserve_bytes, kv, kv_bytes_per_token(config, dtype_bytes))
+
+
+def t4_slots_for_opt125m() -> int:
+    """Token slots of KV a 15 GiB T4 leaves next to OPT-125m in fp16 (lessons 02, 03, 05, 06 use it)."""
+    from transformers import OPTConfig
+
+    return kv_budget(OPTConfig(), dtype_bytes=2).tokens

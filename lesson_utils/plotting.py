@@ -1,0 +1,102 @@
+"""One plot style for the whole course, device-labelled titles, and widgets that survive headless runs.
+
+* :func:`use_course_style` - fonts, grid and a fixed colour for each kind of memory, so "token states" is
+  the same green in every lesson.
+* :func:`measured_title` - every plot of a *measurement* names the device and profile that produced it.
+* :func:`interactive` - core ipywidgets ``interact`` in a live notebook; when executed headless
+  (``COURSE_HEADLESS=1``, set by the course's runner) it draws once with the default values instead, so
+  executed notebooks and CI keep a picture.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Callable
+
+import matplotlib
+
+# The four kinds of KV-cache memory (lesson 02) and a few more, one colour each across the course.
+COLORS = {
+    "token states": "#2e7d32",  # green: K/V of real tokens
+    "reserved": "#f9a825",  # amber: reserved for tokens still to be generated
+    "internal fragmentation": "#e64a19",  # red-orange: over-provisioned, never used
+    "external fragmentation": "#9e9e9e",  # grey: free, but in holes
+    "free": "#eceff1",
+    "paged": "#1565c0",
+    "naive": "#e64a19",
+    "paper": "#6a1b9a",
+}
+
+
+def use_course_style() -> None:
+    import matplotlib.pyplot as plt
+
+    plt.rcParams.update(
+        {
+            "figure.figsize": (8, 4),
+            "figure.dpi": 100,
+            "axes.grid": True,
+            "grid.alpha": 0.3,
+            "axes.spines.top": False,
+            "axes.spines.right": False,
+            "axes.titlesize": 11,
+            "axes.titleweight": "bold",
+            "legend.frameon": False,
+            "font.size": 10,
+        }
+    )
+
+
+def measured_title(text: str, profile=None) -> str:
+    """``text`` plus a second line naming the device and profile that measured it."""
+    from .env import get_profile
+
+    p = profile or get_profile()
+    return f"{text}\nmeasured on {p.label()}"
+
+
+def simulated_title(text: str) -> str:
+    """Titles of exact byte-accounting experiments: they hold on any device."""
+    return f"{text}\nsimulated (exact memory accounting at T4 scale; no model was run)"
+
+
+def is_headless() -> bool:
+    return os.environ.get("COURSE_HEADLESS", "").lower() not in ("", "0", "false")
+
+
+def _default_of(control: Any) -> Any:
+    """The value ``interact`` would start with for an abbreviation or widget."""
+    if hasattr(control, "value"):
+        return control.value
+    if isinstance(control, tuple) and len(control) in (2, 3) and all(isinstance(x, (int, float)) for x in control):
+        low, high = control[0], control[1]
+        mid = (low + high) / 2
+        return int(mid) if all(isinstance(x, int) for x in control) else mid
+    if isinstance(control, (list, tuple)):
+        first = control[0]
+        return first[1] if isinstance(first, tuple) else first
+    return control
+
+
+def interactive(fn: Callable[..., Any], **controls: Any) -> None:
+    """``ipywidgets.interact(fn, **controls)`` live; one static call with the defaults when headless."""
+    if is_headless():
+        fn(**{name: _default_of(c) for name, c in controls.items()})
+        print("(Executed headless: drawn once with the default values. Open the notebook to use the controls.)")
+        return
+    try:
+        from ipywidgets import interact
+    except ImportError:  # pragma: no cover - ipywidgets is a dependency
+        fn(**{name: _default_of(c) for name, c in controls.items()})
+        return
+    interact(fn, **controls)
+
+
+def show(fig=None) -> None:
+    """Show a figure (inline in notebooks, nothing in a plain script run with a non-GUI backend)."""
+    import matplotlib.pyplot as plt
+
+    if matplotlib.get_backend().lower() == "agg":
+        plt.close(fig) if fig is not None else plt.close("all")
+        return
+    plt.show()
