@@ -1,0 +1,96 @@
+"""Lesson 00: decoding one sequence with and without a KV cache, and timing both.
+
+A *stepper* hides the model behind one call: ``step(new_tokens) -> logits of the last token``.
+
+* :func:`cached_stepper` keeps K/V of everything it has seen: feed it the prompt once, then one token
+  per step.
+* :func:`uncached_stepper` keeps nothing: every call must carry the whole sequence so far, and the
+  model recomputes K/V for all of it.
+
+Both count the tokens they push through the model (``step.tokens_processed``), which is exactly the
+work a KV cache saves.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import torch
+
+from .kv_cache import DenseKVCache, StepBatch
+from .opt_forward import OPTWeights, forward
+
+
+class Stepper:
+    """``step(new_tokens)`` -> 1-D logits of the last token; counts tokens and calls."""
+
+    def __init__(self, w: OPTWeights, cached: bool):
+        self.w, self.cached = w, cached
+        self.cache = DenseKVCache(w.num_layers)
+        self.cached_len = 0
+        self.tokens_processed = 0
+        self.calls = 0
+
+    def __call__(self, new_tokens: list[int]) -> torch.Tensor:
+        new_tokens = [int(t) for t in new_tokens]
+        if not new_tokens:
+            raise ValueError("step() needs at least one token")
+        if not self.cached:  # no memory between calls: start from scratch every time
+            self.cache, self.cached_len = DenseKVCache(self.w.num_layers), 0
+        device = self.w.embed_tokens.device
+        batch = StepBatch.build([0], [new_tokens], [self.cached_len], device=device)
+        logits = forward(self.w, batch, self.cache, last_only=True)[0]
+        self.cached_len += len(new_tokens)
+        self.tokens_processed += len(new_tokens)
+        self.calls += 1
+        return logits
+
+
+def cached_stepper(w: OPTWeights) -> Stepper:
+    return Stepper(w, cached=True)
+
+
+def uncached_stepper(w: OPTWeights) -> Stepper:
+    return Stepper(w, cached=False)
+
+
+def decode_with_cache(step: Callable, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """Greedy decoding through a cached stepper (the reference for exercise 00-2).
+
+    The prompt goes through the model once; afterwards only the newest token does. The last generated
+    token never needs to go through the model: nothing comes after it.
+    """
+    logits = step(prompt)
+    out: list[int] = []
+    for i in range(max_new_tokens):
+        out.append(int(torch.argmax(logits)))
+        if i + 1 < max_new_tokens:
+            logits = step([out[-1]])
+    return out
+
+
+def decode_without_cache(step: Callable, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """Greedy decoding that re-feeds the whole sequence every step (what a cache avoids)."""
+    seq = list(prompt)
+    out: list[int] = []
+    for _ in range(max_new_tokens):
+        out.append(int(torch.argmax(step(seq))))
+        seq.append(out[-1])
+    return out
+
+
+def time_per_token(w: OPTWeights, prompt: list[int], max_new_tokens: int, cached: bool, decode=None) -> list[float]:
+    """Wall time (s) of each generated token, with or without a cache. Synchronises CUDA for honesty."""
+    step = Stepper(w, cached=cached)
+    times: list[float] = []
+    seq = list(prompt)
+    sync = torch.cuda.synchronize if w.embed_tokens.is_cuda else (lambda: None)
+    for i in range(max_new_tokens):
+        sync()
+        t0 = time.perf_counter()
+        logits = step(seq if (not cached or i == 0) else seq[-1:])
+        sync()
+        times.append(time.perf_counter() - t0)
+        seq.append(int(torch.argmax(logits)))
+    return times

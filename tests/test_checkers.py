@@ -1,0 +1,234 @@
+"""Every checker: the reference passes, plausible wrong implementations are rejected with a message
+that names the difference, an unsolved exercise is reported politely, and strict mode raises."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from lesson_utils import contiguous, decoding, kv_math
+from lesson_utils import reservation as R
+from lesson_utils.checks import ExerciseFailed
+from lesson_utils.checks import lesson00, lesson01, lesson02
+
+
+def rejected(result, *needles):
+    assert not result.passed, result.message
+    assert result.implemented
+    for needle in needles:
+        assert needle in result.message, f"{needle!r} not in:\n{result.message}"
+    return True
+
+
+def unsolved(*args):
+    raise NotImplementedError("Exercise 'x' is not solved yet")
+
+
+@pytest.fixture(autouse=True)
+def not_strict(monkeypatch):
+    monkeypatch.delenv("COURSE_STRICT", raising=False)
+
+
+def test_unsolved_is_reported_and_reference_used(capsys):
+    result = lesson00.check_kv_bytes_per_token(unsolved)
+    assert not result.passed and not result.implemented
+    assert result.use is kv_math.kv_bytes_per_token
+    assert "not implemented yet" in capsys.readouterr().out
+
+
+def test_strict_mode_raises(monkeypatch):
+    monkeypatch.setenv("COURSE_STRICT", "1")
+    with pytest.raises(ExerciseFailed, match="not implemented yet"):
+        lesson01.check_first_fit(unsolved)
+    with pytest.raises(ExerciseFailed, match="expected"):
+        lesson02.check_external_fragmentation(lambda holes: 0.5)
+    assert lesson01.check_first_fit(contiguous.first_fit).passed  # a right answer does not raise
+
+
+def test_learner_exception_is_feedback_not_crash():
+    def broken(config, dtype_bytes):
+        return config.no_such_field
+
+    assert rejected(lesson00.check_kv_bytes_per_token(broken), "AttributeError", "no_such_field")
+
+
+# ---- lesson 00 ------------------------------------------------------------------------------------
+
+def test_kv_bytes_per_token_checker():
+    assert lesson00.check_kv_bytes_per_token(kv_math.kv_bytes_per_token).passed
+
+    def no_value(cfg, b):  # forgets that V is stored too
+        return kv_math.kv_bytes_per_token(cfg, b) // 2
+
+    def ignores_gqa(cfg, b):
+        return 2 * cfg.num_hidden_layers * cfg.hidden_size * b
+
+    def elements(cfg, b):
+        return kv_math.kv_bytes_per_token(cfg, 1)
+
+    assert rejected(lesson00.check_kv_bytes_per_token(no_value), "expected: 73728", "got:      36864", "both the key and the value")
+    assert rejected(lesson00.check_kv_bytes_per_token(elements), "multiply by dtype_bytes")
+    assert rejected(lesson00.check_kv_bytes_per_token(ignores_gqa), "num_key_value_heads")
+
+
+def test_opt125m_is_36_kib():
+    from transformers import OPTConfig
+
+    assert kv_math.kv_bytes_per_token(OPTConfig(), 2) == 36 * 1024
+
+
+@pytest.fixture(scope="module")
+def tiny_weights():
+    from lesson_utils.env import Profile
+    from lesson_utils.model import load_model
+    from lesson_utils.opt_forward import OPTWeights
+
+    loaded = load_model(profile=Profile(name="ci", device="cpu", device_name="test"))
+    return OPTWeights.from_hf(loaded.model)
+
+
+def test_decode_with_cache_checker(tiny_weights):
+    w = tiny_weights
+    assert lesson00.check_decode_with_cache(decoding.decode_with_cache, w).passed
+
+    def refeeds_everything(step, prompt, n):
+        seq, out = list(prompt), []
+        for _ in range(n):
+            out.append(int(torch.argmax(step(seq))))
+            seq.append(out[-1])
+        return out
+
+    def one_step_too_many(step, prompt, n):
+        logits, out = step(prompt), []
+        for _ in range(n):
+            out.append(int(torch.argmax(logits)))
+            logits = step([out[-1]])
+        return out
+
+    def one_token_short(step, prompt, n):
+        return decoding.decode_with_cache(step, prompt, n)[:-1] if n > 1 else decoding.decode_with_cache(step, prompt, n)
+
+    assert rejected(lesson00.check_decode_with_cache(refeeds_everything, w), "expected")
+    assert rejected(lesson00.check_decode_with_cache(one_step_too_many, w), "never needs to go through the model")
+    assert rejected(lesson00.check_decode_with_cache(one_token_short, w), "asked for 5 new tokens, got 4")
+
+
+# ---- lesson 01 ------------------------------------------------------------------------------------
+
+def test_first_fit_checker():
+    assert lesson01.check_first_fit(contiguous.first_fit).passed
+
+    def best_fit(holes, n):
+        fits = [i for i, (_, l) in enumerate(holes) if l >= n]
+        if not fits:
+            return None
+        i = min(fits, key=lambda j: holes[j][1])
+        s, l = holes[i]
+        return s, holes[:i] + ([(s + n, l - n)] if l > n else []) + holes[i + 1 :]
+
+    def strict_greater(holes, n):  # off by one: an exact fit is refused
+        for i, (s, l) in enumerate(holes):
+            if l > n:
+                return s, holes[:i] + [(s + n, l - n)] + holes[i + 1 :]
+        return None
+
+    def keeps_empty_hole(holes, n):
+        for i, (s, l) in enumerate(holes):
+            if l >= n:
+                return s, holes[:i] + [(s + n, l - n)] + holes[i + 1 :]
+        return None
+
+    assert rejected(lesson01.check_first_fit(best_fit), "FIRST hole")
+    assert rejected(lesson01.check_first_fit(strict_greater), "exactly n slots fits")
+    assert rejected(lesson01.check_first_fit(keeps_empty_hole), "length 0")
+
+
+def test_release_checker():
+    assert lesson01.check_release(contiguous.release).passed
+
+    def no_merge(holes, start, length):
+        return sorted(holes + [(start, length)])
+
+    def no_double_free_check(holes, start, length):
+        merged = []
+        for h in sorted(holes + [(start, length)]):
+            if merged and merged[-1][0] + merged[-1][1] >= h[0]:
+                merged[-1] = (merged[-1][0], max(merged[-1][0] + merged[-1][1], h[0] + h[1]) - merged[-1][0])
+            else:
+                merged.append(h)
+        return merged
+
+    def unsorted(holes, start, length):
+        return contiguous.release(holes, start, length)[::-1]
+
+    assert rejected(lesson01.check_release(no_merge), "merged into one")
+    assert rejected(lesson01.check_release(no_double_free_check), "double free", "expected a ValueError")
+    assert rejected(lesson01.check_release(unsorted), "sorted")
+
+
+def test_slot_mapping_checker():
+    assert lesson01.check_slot_mapping(contiguous.slot_mapping).passed
+
+    def no_region_start(batch, starts):
+        return batch.positions.clone()
+
+    def index_in_step(batch, starts):
+        return torch.cat([torch.arange(n) + s for n, s in zip(batch.query_lens, starts)])
+
+    assert rejected(lesson01.check_slot_mapping(no_region_start), "region start")
+    assert rejected(lesson01.check_slot_mapping(index_in_step), "position in its sequence")
+
+
+# ---- lesson 02 ------------------------------------------------------------------------------------
+
+def test_classify_slots_checker():
+    assert lesson02.check_classify_slots(R.classify_slots).passed
+
+    def swapped(total, allocs):  # reserved and internal the wrong way round
+        kinds = R.classify_slots(total, allocs)
+        out = kinds.copy()
+        out[kinds == R.RESERVED], out[kinds == R.INTERNAL] = R.INTERNAL, R.RESERVED
+        return out
+
+    def off_by_one(total, allocs):
+        return R.classify_slots(total, [(s, r, max(0, u - 1), f) for s, r, u, f in allocs])
+
+    assert rejected(lesson02.check_classify_slots(swapped), "expected reserved, got internal")
+    assert rejected(lesson02.check_classify_slots(off_by_one), "expected token, got reserved")
+
+
+def test_external_fragmentation_checker():
+    assert lesson02.check_external_fragmentation(R.external_fragmentation).passed
+
+    def inverted(holes):
+        return 1.0 - R.external_fragmentation(holes) if holes else 0.0
+
+    def nan_when_empty(holes):
+        return R.external_fragmentation(holes) if holes else float("nan")
+
+    def uses_count(holes):  # share of holes that are not the biggest: a different measure
+        return 0.0 if not holes else 1 - 1 / len(holes)
+
+    assert rejected(lesson02.check_external_fragmentation(inverted), "upside down")
+    assert rejected(lesson02.check_external_fragmentation(nan_when_empty), "return 0.0")
+    assert rejected(lesson02.check_external_fragmentation(uses_count), "expected")
+
+
+def test_classify_matches_manager_breakdown():
+    """The exercise's classification and the simulator's counts agree on a live manager."""
+    from lesson_utils import workloads
+    from lesson_utils.scheduler import FCFSScheduler, Sequence
+
+    m = R.ContiguousReservationManager(4096, "pow2", max_seq_len=512)
+    s = FCFSScheduler(m)
+    for r in workloads.alpaca_like(20, seed=3):
+        s.add(Sequence(r))
+    s.admit(0)
+    for seq in s.running:
+        m.append_slot(seq)
+        seq.num_generated += 1
+    kinds = m.slot_kinds()
+    counts = np.bincount(kinds, minlength=4)
+    br = m.breakdown()
+    assert counts.tolist() == [br["token states"], br["reserved"], br["internal fragmentation"], br["free"]]
