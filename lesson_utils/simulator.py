@@ -151,3 +151,13 @@ def simulate(
         map_stride=stride,
         finished=scheduler.finished,
     )
+
+
+def saturating_rate(requests: list[Request], total_slots: int, step_time_s: float, overload: float = 2.0) -> float:
+    """Arrival rate (requests/s) that keeps even an exact-fit (Oracle) server ``overload`` x over-full.
+
+    Little's law: a request holds about ``prompt + output / 2`` slots on average for ``output`` steps, so
+    ``total_slots / mean(occupancy x lifetime)`` requests per step fill the cache.
+    """
+    occupancy_steps = np.mean([(r.prompt_len + r.output_len / 2) * r.output_len for r in requests])
+    return overload * total_slots / occupancy_steps / step_time_s
