@@ -1,0 +1,277 @@
+"""A compact OPT forward pass whose keys and values live in a pluggable cache.
+
+This is the seam every lesson plugs its cache into. The model below is Hugging Face's OPT, computed
+from the same weight tensors, with one difference: it never stores K/V itself. Each step it calls
+
+    cache.prepare(batch)                      # once, before layer 0: find room for the new tokens
+    cache.write(layer, batch, k, v)           # per layer: store the new tokens' keys and values
+    out = cache.attend(layer, batch, q, scale)  # per layer: attention over each sequence's tokens
+    cache.free(seq_id)                        # when a sequence finishes (in generate_greedy)
+
+A step is a flat ``StepBatch``: whole prompts (prefill) and single tokens (decode) side by side, with no
+padding. Tensors inside a step are ``[num_tokens, hidden]`` or ``[num_tokens, heads, head_dim]``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from .kv_cache import KVCache, StepBatch
+
+POSITION_OFFSET = 2  # OPT's learned position table starts at row 2 (a fairseq padding convention)
+
+
+class Norm(NamedTuple):
+    """A LayerNorm's parameters (``weight``/``bias`` are None for a non-affine norm)."""
+
+    weight: torch.Tensor | None
+    bias: torch.Tensor | None
+    eps: float
+
+    @classmethod
+    def from_module(cls, m) -> "Norm":
+        return cls(_ref(m.weight), _ref(m.bias), m.eps)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x, x.shape[-1:], self.weight, self.bias, self.eps)
+
+
+class Linear(NamedTuple):
+    """A linear layer's parameters (``bias`` None when the model has no biases)."""
+
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+
+    @classmethod
+    def from_module(cls, m) -> "Linear":
+        return cls(_ref(m.weight), _ref(m.bias))
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+@dataclass
+class OPTLayerWeights:
+    """One decoder layer: attention projections, FFN, and their two layer norms."""
+
+    q_proj: Linear
+    k_proj: Linear
+    v_proj: Linear
+    out_proj: Linear
+    self_attn_layer_norm: Norm
+    fc1: Linear
+    fc2: Linear
+    final_layer_norm: Norm
+
+
+@dataclass
+class OPTWeights:
+    """References to a Hugging Face OPT model's tensors (no copies), plus its geometry.
+
+    ``do_layer_norm_before`` is True for OPT-125m and most OPT sizes (pre-LN) and False for OPT-350m
+    (post-LN). ``final_layer_norm`` is None for post-LN models; ``project_in``/``project_out`` are None
+    unless the embedding width differs from the hidden width (OPT-350m).
+    """
+
+    embed_tokens: torch.Tensor  # [vocab, embed_dim]
+    embed_positions: torch.Tensor  # [max_positions + POSITION_OFFSET, hidden]
+    project_in: Linear | None
+    layers: list[OPTLayerWeights]
+    final_layer_norm: Norm | None
+    project_out: Linear | None
+    lm_head: torch.Tensor  # [vocab, embed_dim] (tied to embed_tokens in OPT)
+    num_layers: int
+    num_heads: int
+    head_dim: int
+    hidden: int
+    vocab_size: int
+    max_positions: int
+    bos_token_id: int
+    eos_token_id: int
+    do_layer_norm_before: bool
+
+    @classmethod
+    def from_hf(cls, model) -> "OPTWeights":
+        """Take the weights of an ``OPTForCausalLM`` (they stay shared with it)."""
+        cfg, dec = model.config, model.model.decoder
+        if cfg.activation_function != "relu":
+            raise ValueError(f"this forward implements OPT's ReLU FFN, not {cfg.activation_function!r}")
+        layers = [
+            OPTLayerWeights(
+                q_proj=Linear.from_module(layer.self_attn.q_proj),
+                k_proj=Linear.from_module(layer.self_attn.k_proj),
+                v_proj=Linear.from_module(layer.self_attn.v_proj),
+                out_proj=Linear.from_module(layer.self_attn.out_proj),
+                self_attn_layer_norm=Norm.from_module(layer.self_attn_layer_norm),
+                fc1=Linear.from_module(layer.fc1),
+                fc2=Linear.from_module(layer.fc2),
+                final_layer_norm=Norm.from_module(layer.final_layer_norm),
+            )
+            for layer in dec.layers
+        ]
+        return cls(
+            embed_tokens=_ref(dec.embed_tokens.weight),
+            embed_positions=_ref(dec.embed_positions.weight),
+            project_in=_optional(Linear, dec.project_in),
+            layers=layers,
+            final_layer_norm=_optional(Norm, dec.final_layer_norm),
+            project_out=_optional(Linear, dec.project_out),
+            lm_head=_ref(model.lm_head.weight),
+            num_layers=cfg.num_hidden_layers,
+            num_heads=cfg.num_attention_heads,
+            head_dim=cfg.hidden_size // cfg.num_attention_heads,
+            hidden=cfg.hidden_size,
+            vocab_size=cfg.vocab_size,
+            max_positions=cfg.max_position_embeddings,
+            bos_token_id=cfg.bos_token_id,
+            eos_token_id=cfg.eos_token_id,
+            do_layer_norm_before=cfg.do_layer_norm_before,
+        )
+
+
+def _ref(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else t.detach()  # same storage, no autograd
+
+
+def _optional(kind, module):
+    return None if module is None else kind.from_module(module)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Forward
+# ---------------------------------------------------------------------------------------------------
+
+
+def forward(w: OPTWeights, batch: StepBatch, cache: KVCache, *, last_only: bool = True) -> torch.Tensor:
+    """Run one step: write the new tokens' K/V into ``cache`` and return logits.
+
+    Returns ``[num_seqs, vocab]`` - the logits after each sequence's last new token - when
+    ``last_only``, else ``[num_tokens, vocab]`` for every new token.
+    """
+    _check_positions(w, batch)
+    with torch.inference_mode():
+        h = _embed(w, batch)
+        cache.prepare(batch)
+        for i, layer in enumerate(w.layers):
+            h = _decoder_layer(w, i, layer, h, batch, cache)
+        if last_only:  # every later op is per token, so drop the tokens nobody needs logits for
+            last = [s + n - 1 for s, n in zip(batch.starts, batch.query_lens)]
+            h = h[torch.tensor(last, device=h.device)]
+        if w.final_layer_norm is not None:
+            h = w.final_layer_norm(h)
+        if w.project_out is not None:
+            h = w.project_out(h)
+        return F.linear(h, w.lm_head)
+
+
+def _check_positions(w: OPTWeights, batch: StepBatch) -> None:
+    # context_lens are Python ints: checking them costs no GPU synchronisation.
+    for sid, clen in zip(batch.seq_ids, batch.context_lens):
+        if clen > w.max_positions:
+            raise ValueError(
+                f"sequence {sid} reaches position {clen - 1}, but the model has only "
+                f"{w.max_positions} positions (0 .. {w.max_positions - 1})"
+            )
+
+
+def _embed(w: OPTWeights, batch: StepBatch) -> torch.Tensor:
+    x = F.embedding(batch.input_ids, w.embed_tokens)
+    if w.project_in is not None:
+        x = w.project_in(x)
+    return x + F.embedding(batch.positions + POSITION_OFFSET, w.embed_positions)
+
+
+def _decoder_layer(w, i, layer: OPTLayerWeights, h, batch, cache) -> torch.Tensor:
+    """One OPT layer. Pre-LN: ``h + f(norm(h))``; post-LN: ``norm(h + f(h))`` - as in HF's OPTDecoderLayer."""
+    pre = w.do_layer_norm_before
+    x = layer.self_attn_layer_norm(h) if pre else h
+    h = h + _attention(w, i, layer, x, batch, cache)
+    if not pre:
+        h = layer.self_attn_layer_norm(h)
+
+    x = layer.final_layer_norm(h) if pre else h
+    h = h + layer.fc2(F.relu(layer.fc1(x)))
+    if not pre:
+        h = layer.final_layer_norm(h)
+    return h
+
+
+def _attention(w, i, layer: OPTLayerWeights, x, batch, cache) -> torch.Tensor:
+    """Self-attention through the cache. HF scales q inside the projection; we pass the scale to
+    ``attend`` instead (same maths, and it is where a kernel wants it)."""
+    shape = (x.shape[0], w.num_heads, w.head_dim)
+    q = layer.q_proj(x).view(shape)
+    k = layer.k_proj(x).view(shape)
+    v = layer.v_proj(x).view(shape)
+    cache.write(i, batch, k, v)
+    out = cache.attend(i, batch, q, w.head_dim**-0.5)
+    return layer.out_proj(out.reshape(x.shape[0], w.hidden))
+
+
+# ---------------------------------------------------------------------------------------------------
+# Greedy generation
+# ---------------------------------------------------------------------------------------------------
+
+
+def generate_greedy(
+    w: OPTWeights,
+    cache: KVCache,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    *,
+    stop_at_eos: bool = True,
+    seq_ids: list[int] | None = None,
+) -> list[list[int]]:
+    """Greedy decoding of several prompts at once; returns each prompt's generated ids (not the prompt).
+
+    Step 1 prefills every prompt in one ``StepBatch``; each later step feeds one token per unfinished
+    sequence. A sequence finishes after ``max_new_tokens`` tokens or, with ``stop_at_eos``, right after
+    emitting eos (which is kept in its output, as HF ``generate`` does), and is then freed from
+    ``cache``. ``seq_ids`` name the sequences in the cache (default ``0 .. len(prompts) - 1``).
+    """
+    seq_ids = list(range(len(prompts))) if seq_ids is None else list(seq_ids)
+    _check_generation(w, prompts, max_new_tokens, seq_ids)
+    device = w.lm_head.device
+    out: list[list[int]] = [[] for _ in prompts]
+
+    batch = StepBatch.build(seq_ids, prompts, [0] * len(prompts), device=device)
+    active = list(range(len(prompts)))  # indices of the prompts still generating
+    while True:
+        next_tokens = forward(w, batch, cache).argmax(dim=-1).tolist()
+        still = []
+        for i, token in zip(active, next_tokens):
+            out[i].append(token)
+            if len(out[i]) == max_new_tokens or (stop_at_eos and token == w.eos_token_id):
+                cache.free(seq_ids[i])
+            else:
+                still.append(i)
+        active = still
+        if not active:
+            return out
+        batch = StepBatch.build(
+            [seq_ids[i] for i in active],
+            [[out[i][-1]] for i in active],
+            [len(prompts[i]) + len(out[i]) - 1 for i in active],  # the newest token is not cached yet
+            device=device,
+        )
+
+
+def _check_generation(w: OPTWeights, prompts, max_new_tokens: int, seq_ids: list[int]) -> None:
+    if not prompts:
+        raise ValueError("no prompts to generate from")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
+    if len(seq_ids) != len(prompts) or len(set(seq_ids)) != len(seq_ids):
+        raise ValueError(f"need {len(prompts)} distinct seq_ids, one per prompt; got {seq_ids}")
+    for i, prompt in enumerate(prompts):
+        if len(prompt) == 0:
+            raise ValueError(f"prompt {i} is empty; every prompt needs at least one token (OPT's is bos)")
+        if len(prompt) + max_new_tokens > w.max_positions:
+            raise ValueError(
+                f"prompt {i} has {len(prompt)} tokens; with max_new_tokens={max_new_tokens} it would need "
+                f"{len(prompt) + max_new_tokens} positions, but the model has {w.max_positions}"
+            )
