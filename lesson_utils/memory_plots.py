@@ -60,7 +60,7 @@ def draw_breakdown_bars(ax, rows: dict[str, dict[str, float]], title: str = "") 
         for y, (x0, v) in enumerate(zip(left, values)):
             if v >= 6:
                 ax.text(x0 + v / 2, y, f"{v:.1f}", ha="center", va="center", fontsize=8,
-                        color="white" if i != 1 else "black")
+                        color="white" if i in (0, 2) else "black")
         left += values
     ax.set_xlim(0, 100)
     ax.set_xlabel("share of the KV-cache budget (%)")

@@ -52,14 +52,23 @@ class SimResult:
         """Records in which a request was waiting for memory: the server was memory-bound."""
         return self.waiting > 0
 
-    def mean_breakdown(self, only_saturated: bool = True) -> dict[str, float]:
-        """Average share (%) of the KV budget per kind; over memory-bound steps unless told otherwise."""
-        mask = self.saturated if only_saturated and self.saturated.any() else np.ones_like(self.saturated)
+    def _mask(self, only_saturated: bool, after_step: int) -> np.ndarray:
+        mask = self.steps >= after_step
+        if only_saturated and (mask & self.saturated).any():
+            mask &= self.saturated
+        return mask
+
+    def mean_breakdown(self, only_saturated: bool = True, after_step: int = 0) -> dict[str, float]:
+        """Average share (%) of the KV budget per kind.
+
+        Averaged over memory-bound records (someone waiting) from ``after_step`` on - pass about one
+        request lifetime to skip the warm-up, when the cache is still filling with fresh requests.
+        """
+        mask = self._mask(only_saturated, after_step)
         return {k: float(100.0 * self.kinds[k][mask].mean() / self.total_slots) for k in KINDS}
 
-    def mean_running(self, only_saturated: bool = True) -> float:
-        mask = self.saturated if only_saturated and self.saturated.any() else np.ones_like(self.saturated)
-        return float(self.running[mask].mean())
+    def mean_running(self, only_saturated: bool = True, after_step: int = 0) -> float:
+        return float(self.running[self._mask(only_saturated, after_step)].mean())
 
     @property
     def seconds(self) -> np.ndarray:

@@ -1,0 +1,128 @@
+"""lesson_utils.run_all on two tiny notebooks: one passes, one raises."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import nbformat
+import pytest
+
+from lesson_utils import run_all
+
+# a 1x1 PNG, displayed the way matplotlib's inline backend does
+PNG = (
+    "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mNk+M9QDwADhgGAWjR9awAAAABJRU5ErkJggg=="
+)
+
+
+def _nb(*sources: str):
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_markdown_cell("# Tiny")] + [nbformat.v4.new_code_cell(s) for s in sources]
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    return nb
+
+
+@pytest.fixture(scope="module")
+def ran(tmp_path_factory):
+    root = tmp_path_factory.mktemp("course")
+    good = _nb(
+        "import os, pathlib\n"
+        "print('headless', os.environ.get('COURSE_HEADLESS'))\n"
+        "print('strict', os.environ.get('COURSE_STRICT'))\n"
+        "print('profile', os.environ.get('COURSE_PROFILE'))\n"
+        "print('cwd', pathlib.Path.cwd().name)",
+        "print('KEY: kv_bytes_per_token = 36864')\nprint('check 2: not implemented yet (kv_bytes)')\n"
+        "print('  KEY: free text: 22.4 %')",
+        "from IPython.display import Image, display\n"
+        f"import base64\ndisplay(Image(data=base64.b64decode('{PNG}')))",
+    )
+    bad = _nb(
+        "import os\nprint('strict', os.environ.get('COURSE_STRICT'))\n"
+        "print('check: not implemented yet'); print('again: not implemented yet')",
+        "def f():\n    raise ValueError('boom from the lesson')\nf()",
+        "print('never runs')",
+    )
+    paths = [root / "solutions" / "01_good.ipynb", root / "notebooks" / "02_bad.ipynb"]
+    for path, nb in zip(paths, [good, bad]):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        nbformat.write(nb, path)
+    out = root / "runs" / "test"
+    results = run_all.run_notebooks(paths, out, profile="ci", timeout=60, progress=False, root=root)
+    return root, out, results
+
+
+def _stdout(nb, index: int) -> str:
+    return "".join(o.get("text", "") for o in nb.cells[index].outputs if o.output_type == "stream")
+
+
+def test_pass_and_fail(ran):
+    root, out, results = ran
+    good, bad = results
+    assert (good.path, good.kind, good.ok, good.error) == ("solutions/01_good.ipynb", "solutions", True, None)
+    assert (bad.path, bad.kind, bad.ok, bad.error_cell) == ("notebooks/02_bad.ipynb", "notebooks", False, 2)
+    assert "ValueError: boom from the lesson" in bad.error
+    assert "\x1b[" not in bad.error
+    for r in results:
+        assert 0 < r.seconds < 60
+
+
+def test_kernel_environment(ran):
+    root, out, results = ran
+    good = nbformat.read(out / "solutions" / "01_good.ipynb", as_version=4)
+    text = _stdout(good, 1)
+    assert "headless 1" in text
+    assert "strict 1" in text  # solutions run strict by default
+    assert "profile ci" in text
+    assert "cwd solutions" in text  # the kernel runs in the notebook's folder
+    bad = nbformat.read(out / "notebooks" / "02_bad.ipynb", as_version=4)
+    assert "strict None" in _stdout(bad, 1)  # student notebooks never strict
+    assert bad.cells[3].outputs == []  # stopped at the failing cell
+
+
+def test_outputs_and_summary(ran):
+    root, out, results = ran
+    good, bad = results
+    assert good.unsolved_count == 1 and bad.unsolved_count == 2
+    assert good.key_numbers == {"kv_bytes_per_token": "36864"}
+    assert good.key_lines == ["kv_bytes_per_token = 36864", "free text: 22.4 %"]
+    assert good.figures == ["figures/solutions/01_good/cell003_0.png"]
+    assert (out / good.figures[0]).read_bytes().startswith(b"\x89PNG")
+
+    summary = json.loads((out / "summary.json").read_text())
+    assert (summary["passed"], summary["failed"]) == (1, 1)
+    records = {r["path"]: r for r in summary["notebooks"]}
+    assert set(records) == {"solutions/01_good.ipynb", "notebooks/02_bad.ipynb"}
+    for record in records.values():
+        for key in ("path", "kind", "seconds", "ok", "error", "unsolved_count", "profile", "device_name", "versions"):
+            assert key in record
+        assert record["profile"] == "ci"
+        # the kernel reports what lesson_utils.env saw (the repository root is on its PYTHONPATH)
+        assert record["probe_error"] is None, record["probe_error"]
+        assert record["device_name"] and record["versions"].get("python")
+    assert records["notebooks/02_bad.ipynb"]["ok"] is False
+
+    table = run_all.format_table(results)
+    assert "FAIL notebooks/02_bad.ipynb (cell 2)" in table and "1/2 notebooks passed" in table
+
+
+def test_find_notebooks(tmp_path: Path):
+    for folder in ("solutions", "notebooks"):
+        (tmp_path / folder).mkdir()
+        for name in ("01_a.ipynb", "02_b.ipynb", "scratch.ipynb"):
+            (tmp_path / folder / name).write_text("{}")
+    names = lambda paths: [p.parent.name + "/" + p.name for p in paths]  # noqa: E731
+    assert names(run_all.find_notebooks(tmp_path)) == ["solutions/01_a.ipynb", "solutions/02_b.ipynb"]
+    assert names(run_all.find_notebooks(tmp_path, "both", only="02")) == [
+        "solutions/02_b.ipynb",
+        "notebooks/02_b.ipynb",
+    ]
+
+
+def test_kernel_env_strictness(tmp_path: Path, monkeypatch):
+    monkeypatch.setenv("COURSE_STRICT", "1")
+    assert "COURSE_STRICT" not in run_all.kernel_env("notebooks", None, True, tmp_path)
+    assert "COURSE_STRICT" not in run_all.kernel_env("solutions", None, False, tmp_path)
+    env = run_all.kernel_env("solutions", "cpu", True, tmp_path)
+    assert env["COURSE_STRICT"] == "1" and env["COURSE_PROFILE"] == "cpu" and env["COURSE_HEADLESS"] == "1"
+    assert env["PYTHONPATH"].split(":")[0] == str(tmp_path.resolve())
