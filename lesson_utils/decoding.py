@@ -80,17 +80,25 @@ def decode_without_cache(step: Callable, prompt: list[int], max_new_tokens: int)
     return out
 
 
-def time_per_token(w: OPTWeights, prompt: list[int], max_new_tokens: int, cached: bool, decode=None) -> list[float]:
-    """Wall time (s) of each generated token, with or without a cache. Synchronises CUDA for honesty."""
-    step = Stepper(w, cached=cached)
-    times: list[float] = []
-    seq = list(prompt)
+def time_per_token(w: OPTWeights, prompt: list[int], max_new_tokens: int, cached: bool, repeats: int = 3) -> list[float]:
+    """Wall time (s) of each generated token, with or without a cache: the median over ``repeats`` runs.
+
+    Synchronises CUDA around every step, so GPU times are real, not launch times.
+    """
+    if repeats < 1:
+        raise ValueError(f"repeats must be at least 1, got {repeats}")
     sync = torch.cuda.synchronize if w.embed_tokens.is_cuda else (lambda: None)
-    for i in range(max_new_tokens):
-        sync()
-        t0 = time.perf_counter()
-        logits = step(seq if (not cached or i == 0) else seq[-1:])
-        sync()
-        times.append(time.perf_counter() - t0)
-        seq.append(int(torch.argmax(logits)))
-    return times
+    runs = []
+    for _ in range(repeats):
+        step = Stepper(w, cached=cached)
+        times: list[float] = []
+        seq = list(prompt)
+        for i in range(max_new_tokens):
+            sync()
+            t0 = time.perf_counter()
+            logits = step(seq if (not cached or i == 0) else seq[-1:])
+            sync()
+            times.append(time.perf_counter() - t0)
+            seq.append(int(torch.argmax(logits)))
+        runs.append(times)
+    return [sorted(col)[len(col) // 2] for col in zip(*runs)]

@@ -67,3 +67,19 @@ def test_lesson02_draws_stacked_bars_and_memory_map(tmp_path):
         assert any("image/png" in o.get("data", {}) for o in cell.outputs), f"no figure from the cell with {marker}"
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["notebooks"][0]["device_name"]
+
+
+def test_editing_a_real_lesson_without_regenerating_fails_the_check(tmp_path):
+    import shutil
+
+    for folder in ("solutions", "notebooks", "lesson_utils"):
+        shutil.copytree(ROOT / folder, tmp_path / folder, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(ROOT / "colab_links.md", tmp_path / "colab_links.md")
+    assert build.check(tmp_path) == []
+    path = tmp_path / "solutions" / SOLUTIONS[0].name
+    nb = nbformat.read(path, as_version=4)
+    cell = next(c for c in nb.cells if c.cell_type == "markdown" and "## " in c.source)
+    cell.source += "\n\nA sentence added to the lesson, and nobody regenerated the student notebook."
+    nbformat.write(nb, path)
+    problems = build.check(tmp_path)
+    assert any(SOLUTIONS[0].name in str(p) for p in problems), problems

@@ -1,0 +1,84 @@
+"""Profiles, the banner and version warnings; plots that survive a headless run."""
+
+from __future__ import annotations
+
+import os
+
+import matplotlib
+import pytest
+
+from lesson_utils import env, plotting
+
+matplotlib.use("Agg")
+
+
+@pytest.fixture
+def fresh_profile(monkeypatch):
+    env.get_profile.cache_clear()
+    yield monkeypatch
+    env.get_profile.cache_clear()
+
+
+def test_profile_from_environment(fresh_profile):
+    fresh_profile.setenv("COURSE_PROFILE", "cpu")
+    p = env.get_profile()
+    assert p.name == "cpu" and p.device == "cpu" and str(p.dtype) == "torch.float32"
+    assert p.pick(gpu=1, cpu=2, ci=3) == 2
+    assert "cpu profile" in p.label() and "CPU" in p.label()
+
+
+def test_ci_variable_selects_ci_profile(fresh_profile):
+    fresh_profile.delenv("COURSE_PROFILE", raising=False)
+    fresh_profile.setenv("CI", "true")
+    assert env.get_profile().name == "ci"
+
+
+def test_unknown_profile_is_a_clear_error(fresh_profile):
+    fresh_profile.setenv("COURSE_PROFILE", "tpu")
+    with pytest.raises(ValueError, match="not a profile; choose one of gpu, cpu, ci"):
+        env.get_profile()
+
+
+def test_gpu_profile_without_cuda_is_refused(fresh_profile):
+    fresh_profile.setenv("COURSE_PROFILE", "gpu")
+    with pytest.raises(RuntimeError, match="no CUDA device"):
+        env.get_profile()
+
+
+def test_triton_interpreter_is_set_without_cuda():
+    assert os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def test_bf16_is_never_chosen_without_ampere():
+    assert not env.supports_bf16()
+
+
+def test_version_warnings():
+    ok = {"python": "3.12.1", "torch": "2.11.0+cu128", "triton": "3.6.0", "transformers": "5.15.0"}
+    assert env.version_warnings(ok) == []
+    old = dict(ok, torch="2.1.0", transformers="missing")
+    lines = env.version_warnings(old)
+    assert any("torch 2.1.0 is outside the tested range" in line for line in lines)
+    assert any("transformers is not installed" in line for line in lines)
+
+
+def test_banner_names_device_profile_and_versions(fresh_profile):
+    fresh_profile.setenv("COURSE_PROFILE", "ci")
+    line = env.banner()
+    for part in ("CPU", "profile ci", "torch", "triton", "interpreter", "transformers"):
+        assert part in line
+    assert "\n" not in line
+
+
+def test_measured_titles_name_the_device(fresh_profile):
+    fresh_profile.setenv("COURSE_PROFILE", "cpu")
+    assert "measured on CPU" in plotting.measured_title("x")
+    assert "simulated" in plotting.simulated_title("x")
+
+
+def test_interactive_draws_once_with_defaults_when_headless(monkeypatch, capsys):
+    monkeypatch.setenv("COURSE_HEADLESS", "1")
+    calls = []
+    plotting.interactive(lambda a, b, c: calls.append((a, b, c)), a=["x", "y"], b=(0, 10), c=(0.0, 1.0, 0.1))
+    assert calls == [("x", 5, 0.5)]
+    assert "drawn once with the default values" in capsys.readouterr().out
