@@ -15,18 +15,28 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from .block_allocator import OutOfBlocks
 from .workloads import Request
 
 
 @dataclass(eq=False)
 class Sequence:
-    """A request being served. ``len`` = prompt tokens + tokens generated so far."""
+    """A request being served. ``len`` = prompt tokens + tokens generated so far.
+
+    ``kv_len`` counts the tokens whose K/V are in the cache (the real engine's runner feeds
+    ``token_ids[kv_len:]`` next step); a preempted sequence drops back to 0 and is prefilled again.
+    ``eos_token_id`` ends the sequence early when generated (real runs only; simulations know lengths).
+    """
 
     request: Request
     num_generated: int = 0
     admitted_step: int | None = None
+    first_token_step: int | None = None
     finished_step: int | None = None
     output_ids: list[int] = field(default_factory=list)
+    eos_token_id: int | None = None
+    kv_len: int = 0
+    preemptions: int = 0
 
     @property
     def seq_id(self) -> int:
@@ -43,7 +53,14 @@ class Sequence:
 
     @property
     def is_finished(self) -> bool:
-        return self.num_generated >= self.request.output_len
+        if self.num_generated >= self.request.output_len:
+            return True
+        return self.eos_token_id is not None and bool(self.output_ids) and self.output_ids[-1] == self.eos_token_id
+
+    @property
+    def token_ids(self) -> list[int]:
+        """Prompt then generated ids (real runs only)."""
+        return list(self.request.prompt_ids or []) + self.output_ids
 
 
 class MemoryManager(Protocol):
@@ -74,8 +91,13 @@ class FCFSScheduler:
     """First come, first served, at iteration level (Orca's idea: a batch changes every step).
 
     Each step admits waiting requests in arrival order while the memory manager says the head one fits,
-    then every running sequence generates one token. A request that does not fit blocks those behind it
-    (no overtaking), which is what first-come-first-served means.
+    then makes room for the token every running sequence is about to generate. A request that does not
+    fit blocks those behind it (no overtaking), which is what first-come-first-served means.
+
+    If a running sequence cannot grow because memory ran out (possible with paging, which reserves
+    nothing ahead), the most recently admitted sequence is preempted: its memory is freed and it goes
+    back to the front of the queue, keeping its tokens, to be prefilled again later ("recompute").
+    Lesson 06 studies preemption properly; here it only keeps the server from getting stuck.
     """
 
     def __init__(self, manager: MemoryManager, max_num_seqs: int | None = None):
@@ -84,6 +106,7 @@ class FCFSScheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.finished: list[Sequence] = []
+        self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
         self.manager.check_admissible(seq)
@@ -102,6 +125,23 @@ class FCFSScheduler:
             self.running.append(seq)
             admitted.append(seq)
         return admitted
+
+    def reserve_next_slots(self) -> list[Sequence]:
+        """Room for one more token in every running sequence; returns the sequences preempted for it."""
+        preempted, i = [], 0
+        while i < len(self.running):
+            try:
+                self.manager.append_slot(self.running[i])
+                i += 1
+            except OutOfBlocks:
+                victim = self.running.pop()  # the most recently admitted
+                self.manager.free(victim)
+                victim.kv_len = 0
+                victim.preemptions += 1
+                self.num_preemptions += 1
+                self.waiting.appendleft(victim)
+                preempted.append(victim)
+        return preempted
 
     def retire_finished(self, step: int) -> list[Sequence]:
         """Free every running sequence that has generated all its tokens."""

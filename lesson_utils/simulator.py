@@ -23,12 +23,16 @@ KINDS = ("token states", "reserved", "internal fragmentation", "free")
 
 
 class AccountingRunner:
-    """Stands in for the model: each running sequence 'generates' one token per step."""
+    """Stands in for the model: each running sequence 'generates' one token per step.
 
-    def execute(self, manager: MemoryManager, running: list[Sequence]) -> None:
+    The scheduler has already made room for that token (``reserve_next_slots``).
+    """
+
+    def execute(self, running: list[Sequence], step: int) -> None:
         for seq in running:
-            manager.append_slot(seq)
             seq.num_generated += 1
+            if seq.first_token_step is None:
+                seq.first_token_step = step
 
 
 @dataclass
@@ -46,6 +50,7 @@ class SimResult:
     maps: list[tuple[int, np.ndarray]] = field(default_factory=list)  # (step, slot kinds, strided)
     map_stride: int = 1
     finished: list[Sequence] = field(default_factory=list)
+    num_preemptions: int = 0
 
     @property
     def saturated(self) -> np.ndarray:
@@ -125,7 +130,8 @@ def simulate(
                 "nothing is running and the head request still does not fit: the cache is too small "
                 "for it even when empty"
             )
-        runner.execute(scheduler.manager, scheduler.running)
+        scheduler.reserve_next_slots()
+        runner.execute(scheduler.running, step)
 
         br = scheduler.manager.breakdown()
         rec_steps.append(step)
@@ -159,6 +165,7 @@ def simulate(
         maps=maps,
         map_stride=stride,
         finished=scheduler.finished,
+        num_preemptions=scheduler.num_preemptions,
     )
 
 

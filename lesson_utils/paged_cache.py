@@ -1,0 +1,80 @@
+"""Lesson 03: the paged KV cache that plugs into the OPT forward.
+
+Per layer, ``k_cache[layer]`` and ``v_cache[layer]`` have shape
+``[num_blocks, block_size, num_kv_heads, head_dim]`` (the layout vLLM's kernels and lesson 04 use).
+Which blocks belong to which sequence is the :class:`~lesson_utils.block_manager.BlockManager`'s
+business; this class only moves K/V in and out:
+
+* ``prepare``: make sure every sequence's table covers its new tokens, compute the slot mapping;
+* ``write``: scatter the new K/V into their slots;
+* ``attend``: gather each sequence's K/V through its block table and attend (plain torch; lesson 04
+  swaps in a Triton kernel for the decode case).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from .block_manager import BlockManager
+from .block_table import gather_kv, slot_mapping
+from .kv_cache import StepBatch, attention_over_context
+
+
+class PagedKVCache:
+    def __init__(
+        self,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        manager: BlockManager,
+        *,
+        dtype: torch.dtype = torch.float32,
+        device: str = "cpu",
+        slot_mapping_fn: Callable = slot_mapping,
+        gather_fn: Callable = gather_kv,
+    ):
+        self.manager = manager
+        shape = (manager.num_blocks, manager.block_size, num_kv_heads, head_dim)
+        self.k_cache = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v_cache = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self._slot_mapping, self._gather = slot_mapping_fn, gather_fn
+
+    @classmethod
+    def for_model(cls, w, num_blocks: int, block_size: int = 16, **kw) -> "PagedKVCache":
+        """A cache with the geometry of ``w`` (an ``OPTWeights``) and a fresh block manager."""
+        manager_kw = {k: kw.pop(k) for k in ("watermark", "grow_fn", "allocator") if k in kw}
+        manager = BlockManager(num_blocks, block_size, max_seq_len=w.max_positions, **manager_kw)
+        return cls(w.num_layers, w.num_heads, w.head_dim, manager, **kw)
+
+    @property
+    def block_size(self) -> int:
+        return self.manager.block_size
+
+    @property
+    def bytes_per_block(self) -> int:
+        k = self.k_cache[0]
+        return 2 * len(self.k_cache) * k[0].numel() * k.element_size()
+
+    def prepare(self, batch: StepBatch) -> None:
+        tables = [self.manager.ensure_capacity(sid, clen).blocks for sid, clen in zip(batch.seq_ids, batch.context_lens)]
+        batch.extra["slots"] = self._slot_mapping(batch, tables, self.block_size)
+        batch.extra["block_tables"] = tables
+
+    def write(self, layer, batch, k, v):
+        slots = batch.extra["slots"]
+        kc, vc = self.k_cache[layer], self.v_cache[layer]
+        kc.view(-1, kc.shape[2], kc.shape[3])[slots] = k.to(kc.dtype)
+        vc.view(-1, vc.shape[2], vc.shape[3])[slots] = v.to(vc.dtype)
+
+    def attend(self, layer, batch, q, scale):
+        out = torch.empty_like(q)
+        for table, start, n, ctx in zip(batch.extra["block_tables"], batch.starts, batch.query_lens, batch.context_lens):
+            k = self._gather(self.k_cache[layer], table, ctx)
+            v = self._gather(self.v_cache[layer], table, ctx)
+            out[start : start + n] = attention_over_context(q[start : start + n], k, v, scale)
+        return out
+
+    def free(self, seq_id: int) -> None:
+        self.manager.free_seq(seq_id)
