@@ -68,3 +68,51 @@ def draw_breakdown_bars(ax, rows: dict[str, dict[str, float]], title: str = "") 
     ax.grid(False)
     if title:
         ax.set_title(title)
+
+
+REQUEST_COLORS = ["#1565c0", "#e64a19", "#2e7d32", "#6a1b9a", "#f9a825", "#00838f", "#ad1457", "#5d4037"]
+
+
+def block_snapshot(manager, label: str = "") -> dict:
+    """What :func:`draw_block_tables` needs from a BlockManager, copied (so later steps don't change it)."""
+    return {
+        "label": label,
+        "num_blocks": manager.num_blocks,
+        "block_size": manager.block_size,
+        "tables": {sid: (list(t.blocks), t.num_tokens) for sid, t in manager.tables.items()},
+    }
+
+
+def draw_block_tables(ax_logical, ax_physical, snap: dict, names: dict | None = None) -> None:
+    """Top: each request's logical blocks (labelled with the physical block they map to).
+    Bottom: the physical blocks, coloured by owner, filled as far as they hold tokens."""
+    from matplotlib.patches import Rectangle
+
+    bs, nb = snap["block_size"], snap["num_blocks"]
+    names = names or {}
+    owners = {}
+    for row, (sid, (blocks, ntok)) in enumerate(sorted(snap["tables"].items())):
+        color = REQUEST_COLORS[sid % len(REQUEST_COLORS)]
+        for i, b in enumerate(blocks):
+            fill = min(bs, ntok - i * bs) / bs
+            ax_logical.add_patch(Rectangle((i, -row - 0.9), 0.95, 0.8, facecolor="white", edgecolor=color, lw=1.5))
+            ax_logical.add_patch(Rectangle((i, -row - 0.9), 0.95 * fill, 0.8, facecolor=color, alpha=0.35))
+            ax_logical.text(i + 0.47, -row - 0.5, f"→{b}", ha="center", va="center", fontsize=8)
+            owners[b] = (color, fill, names.get(sid, f"req {sid}"))
+        ax_logical.text(-0.2, -row - 0.5, names.get(sid, f"req {sid}"), ha="right", va="center", fontsize=9, color=color)
+    rows = max(1, len(snap["tables"]))
+    ax_logical.set_xlim(-1.5, max([len(b) for b, _ in snap["tables"].values()] + [4]) + 0.5)
+    ax_logical.set_ylim(-rows - 0.2, 0.2)
+    ax_logical.set_title(f"logical blocks of each request (→ physical block id)   {snap['label']}")
+    ax_logical.axis("off")
+    per_row = min(nb, 16)
+    for b in range(nb):
+        x, y = b % per_row, -(b // per_row)
+        color, fill, _ = owners.get(b, ("#cfd8dc", 0.0, ""))
+        ax_physical.add_patch(Rectangle((x, y - 0.9), 0.95, 0.8, facecolor="white", edgecolor="#90a4ae"))
+        ax_physical.add_patch(Rectangle((x, y - 0.9), 0.95 * fill, 0.8, facecolor=color, alpha=0.8))
+        ax_physical.text(x + 0.47, y - 0.5, str(b), ha="center", va="center", fontsize=7)
+    ax_physical.set_xlim(-0.2, per_row + 0.2)
+    ax_physical.set_ylim(-(nb + per_row - 1) // per_row - 0.2, 0.2)
+    ax_physical.set_title(f"physical blocks ({bs} slots each; shading = slots holding tokens)")
+    ax_physical.axis("off")

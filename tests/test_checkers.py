@@ -232,3 +232,105 @@ def test_classify_matches_manager_breakdown():
     counts = np.bincount(kinds, minlength=4)
     br = m.breakdown()
     assert counts.tolist() == [br["token states"], br["reserved"], br["internal fragmentation"], br["free"]]
+
+
+# ---- lesson 03 ------------------------------------------------------------------------------------
+
+from lesson_utils import block_table as bt  # noqa: E402
+from lesson_utils.block_allocator import BlockAllocator  # noqa: E402
+from lesson_utils.checks import lesson03  # noqa: E402
+
+
+def test_block_allocator_checker():
+    assert lesson03.check_block_allocator(BlockAllocator).passed
+
+    class Unsolved(BlockAllocator):
+        def allocate(self):
+            raise NotImplementedError
+
+    class NoOutOfBlocks(BlockAllocator):
+        def allocate(self):
+            b = self._free_queue.popleft()  # IndexError when empty
+            self._is_free[b] = 0
+            return b
+
+    class NoDoubleFreeCheck(BlockAllocator):
+        def free(self, block_id):
+            self._check_id(block_id)
+            self._is_free[block_id] = 1
+            self._free_queue.append(block_id)
+
+    class NoRangeCheck(BlockAllocator):
+        def free(self, block_id):
+            if self._is_free[block_id]:
+                raise ValueError("already free")
+            self._is_free[block_id] = 1
+            self._free_queue.append(block_id)
+
+    class HandsOutHeldBlocks(BlockAllocator):
+        def allocate(self):
+            if not self._free_queue:
+                from lesson_utils.block_allocator import OutOfBlocks
+                raise OutOfBlocks("empty")
+            return self._free_queue[0]  # forgets to remove it
+
+    assert not lesson03.check_block_allocator(Unsolved).implemented
+    assert rejected(lesson03.check_block_allocator(NoOutOfBlocks), "expected OutOfBlocks", "IndexError")
+    assert rejected(lesson03.check_block_allocator(NoDoubleFreeCheck), "twice", "expected ValueError")
+    assert rejected(lesson03.check_block_allocator(NoRangeCheck), "out-of-range")
+    assert rejected(lesson03.check_block_allocator(HandsOutHeldBlocks), "expected each of 0, 1, 2, 3 once")
+
+
+def test_grow_block_table_checker():
+    assert lesson03.check_grow_block_table(bt.grow_block_table).passed
+
+    def off_by_one(table, n, bs, allocate):
+        if n % bs == 1 or bs == 1:
+            table.append(allocate())
+
+    def every_token(table, n, bs, allocate):
+        table.append(allocate())
+
+    def late(table, n, bs, allocate):
+        if (n + 1) % bs == 0:
+            table.append(allocate())
+
+    assert rejected(lesson03.check_grow_block_table(off_by_one), "num_tokens == 0")
+    assert rejected(lesson03.check_grow_block_table(every_token), "allocate only when")
+    assert rejected(lesson03.check_grow_block_table(late), "expected table")
+
+
+def test_paged_slot_mapping_checker():
+    assert lesson03.check_slot_mapping(bt.slot_mapping).passed
+
+    def positions_only(batch, tables, bs):
+        return batch.positions.clone()
+
+    def logical_index(batch, tables, bs):  # uses the logical block number instead of the physical one
+        return torch.tensor([(p // bs) * bs + p % bs + 0 * len(t) for t, s, n in zip(tables, batch.starts, batch.query_lens)
+                             for p in batch.positions[s:s + n].tolist()])
+
+    def forgets_block_size(batch, tables, bs):
+        return torch.tensor([t[p // bs] + p % bs for t, s, n in zip(tables, batch.starts, batch.query_lens)
+                             for p in batch.positions[s:s + n].tolist()])
+
+    assert rejected(lesson03.check_slot_mapping(positions_only), "ignores the block table")
+    assert rejected(lesson03.check_slot_mapping(logical_index), "expected")
+    assert rejected(lesson03.check_slot_mapping(forgets_block_size), "multiply by block_size")
+
+
+def test_gather_kv_checker():
+    assert lesson03.check_gather_kv(bt.gather_kv).passed
+
+    def no_truncation(cache, table, ctx):
+        return cache[torch.tensor(table)].reshape(-1, cache.shape[2], cache.shape[3])
+
+    def sorted_blocks(cache, table, ctx):
+        return bt.gather_kv(cache, sorted(table), ctx)
+
+    def ignores_table(cache, table, ctx):
+        return cache[: len(table)].reshape(-1, cache.shape[2], cache.shape[3])[:ctx]
+
+    assert rejected(lesson03.check_gather_kv(no_truncation), "cut the result to context_len")
+    assert rejected(lesson03.check_gather_kv(sorted_blocks), "order of the block table")
+    assert rejected(lesson03.check_gather_kv(ignores_table), "order of the block table")

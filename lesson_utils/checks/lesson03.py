@@ -1,0 +1,188 @@
+"""Checkers for lesson 03 (block table)."""
+
+from __future__ import annotations
+
+import random
+
+import torch
+
+from .. import block_table as bt
+from ..block_allocator import BlockAllocator, OutOfBlocks
+from ..kv_cache import StepBatch
+from .core import CheckResult, check_function, failed, not_implemented, passed
+
+
+def _call(fn, *args):
+    """Run one learner call; returns (value, exception)."""
+    try:
+        return fn(*args), None
+    except NotImplementedError:
+        raise
+    except Exception as err:  # noqa: BLE001
+        return None, err
+
+
+def check_block_allocator(cls) -> CheckResult:
+    """Exercise 03-1: ``allocate`` and ``free`` of a subclass of ``BlockAllocator``."""
+    name = "block allocator"
+    try:
+        a = cls(4)
+        got = [_call(a.allocate)[0] for _ in range(4)]
+        if sorted(x for x in got if x is not None) != [0, 1, 2, 3] or None in got:
+            return failed(name, f"allocating all 4 blocks of a fresh allocator gave {got}; expected each of 0, 1, 2, 3 once", BlockAllocator)
+        value, err = _call(a.allocate)
+        if not isinstance(err, OutOfBlocks):
+            what = f"raised {type(err).__name__}: {err}" if err else f"returned {value!r}"
+            return failed(name, f"allocate() with no free block left {what}; expected OutOfBlocks (the scheduler catches exactly that)", BlockAllocator)
+        _, err = _call(a.free, got[2])
+        if err:
+            return failed(name, f"free({got[2]}) of a held block raised {type(err).__name__}: {err}", BlockAllocator)
+        value, err = _call(a.allocate)
+        if value != got[2]:
+            return failed(name, f"after freeing block {got[2]} (the only free one), allocate() gave {value!r}{f' and raised {err!r}' if err else ''}", BlockAllocator)
+        if a.num_free != 0:
+            return failed(name, f"with every block held, num_free is {a.num_free}: keep self._free_queue in step", BlockAllocator)
+        b = cls(4)
+        first = b.allocate()
+        b.free(first)
+        value, err = _call(b.free, first)
+        if not isinstance(err, ValueError):
+            what = f"raised {type(err).__name__}: {err}" if err else "returned normally"
+            return failed(name, f"freeing block {first} twice {what}; expected ValueError (a double free would hand one block to two sequences)", BlockAllocator)
+        for bad in (4, -1, 100):
+            value, err = _call(b.free, bad)
+            if not isinstance(err, ValueError):
+                what = f"raised {type(err).__name__}: {err}" if err else "returned normally"
+                return failed(name, f"free({bad}) on a 4-block allocator {what}; expected ValueError for an out-of-range id", BlockAllocator)
+        # randomized: never hand out a held block, counts always right
+        rng, c, held = random.Random(0), cls(16), set()
+        for i in range(300):
+            if held and (rng.random() < 0.5 or len(held) == 16):
+                x = rng.choice(sorted(held))
+                c.free(x)
+                held.discard(x)
+            else:
+                x = c.allocate()
+                if x in held or not 0 <= x < 16:
+                    return failed(name, f"operation {i}: allocate() returned {x}, which is {'already held' if x in held else 'out of range'}", BlockAllocator)
+                held.add(x)
+            if c.num_free != 16 - len(held):
+                return failed(name, f"operation {i}: num_free is {c.num_free}, but {16 - len(held)} blocks are free", BlockAllocator)
+    except NotImplementedError:
+        return not_implemented(name, BlockAllocator)
+    except Exception as err:  # noqa: BLE001
+        return failed(name, f"raised {type(err).__name__}: {err}", BlockAllocator)
+    return passed(name, "hands out every block once, raises OutOfBlocks when empty, refuses double and out-of-range frees, and survives 300 random operations.", cls)
+
+
+def _grow_cases():
+    cases = []
+    for block_size, tokens in [(1, 5), (4, 13), (16, 40), (16, 16), (3, 10)]:
+        cases.append((block_size, tokens))
+    return cases
+
+
+def check_grow_block_table(fn) -> CheckResult:
+    """Exercise 03-2: add a block exactly when a new token starts a logical block."""
+    name = "grow_block_table"
+    for block_size, tokens in _grow_cases():
+        ids_ref, ids_got = iter(range(100, 1000)), iter(range(100, 1000))
+        ref, got = [], []
+        for n in range(tokens):
+            bt.grow_block_table(ref, n, block_size, lambda: next(ids_ref))
+            try:
+                result = fn(got, n, block_size, lambda: next(ids_got))
+            except NotImplementedError:
+                return not_implemented(name, bt.grow_block_table)
+            except Exception as err:  # noqa: BLE001
+                return failed(name, f"with block_size={block_size}, growing from {n} tokens raised {type(err).__name__}: {err}", bt.grow_block_table)
+            if isinstance(result, list) and result is not got:
+                got = result  # accept a returned table as well
+            if got != ref:
+                hint = ""
+                if len(got) > len(ref):
+                    hint = "a block holds block_size tokens: allocate only when the new token is the first of a block"
+                elif len(got) < len(ref):
+                    hint = "the first token (num_tokens == 0) already needs a block; allocate when num_tokens % block_size == 0"
+                return failed(
+                    name,
+                    f"with block_size={block_size}, after growing from {n} to {n + 1} tokens\n"
+                    f"    expected table: {ref}\n    got table:      {got}" + (f"\n    hint: {hint}" if hint else ""),
+                    bt.grow_block_table,
+                )
+    return passed(name, f"tables grow exactly like the reference for {len(_grow_cases())} block sizes and lengths.", fn)
+
+
+def _slot_cases():
+    rng = random.Random(3)
+    cases = []
+    for block_size in (1, 4, 16):
+        k = rng.randint(1, 4)
+        news = [[7] * rng.choice([1, 1, rng.randint(1, 20)]) for _ in range(k)]
+        before = [rng.randint(0, 40) for _ in range(k)]
+        batch = StepBatch.build(list(range(k)), news, before)
+        pool = list(range(400))
+        rng.shuffle(pool)
+        tables = []
+        for clen in batch.context_lens:
+            need = bt.blocks_needed(clen, block_size)
+            tables.append([pool.pop() for _ in range(need)])
+        cases.append((batch, tables, block_size))
+    return cases
+
+
+def check_slot_mapping(fn) -> CheckResult:
+    """Exercise 03-3: the flat cache slot of every new token, through the block tables."""
+
+    def show(case):
+        b, tables, bs = case
+        return f"block_size={bs}, block_tables={tables}, query_lens={b.query_lens}, positions={b.positions.tolist()}"
+
+    def explain(case, expected, got):
+        b, tables, bs = case
+        if not isinstance(got, torch.Tensor) or got.shape != expected.shape:
+            return "return one slot per new token, as a torch.long tensor"
+        if torch.equal(got, b.positions):
+            return "the position alone ignores the block table: slot = table[p // block_size] * block_size + p % block_size"
+        return "look up the physical block in the sequence's table, multiply by block_size, add the offset p % block_size"
+
+    return check_function(
+        "slot_mapping",
+        lambda b, t, bs: fn(b, [list(x) for x in t], bs),
+        bt.slot_mapping,
+        _slot_cases(),
+        show_input=show,
+        explain=explain,
+    )
+
+
+def _gather_cases():
+    gen = torch.Generator().manual_seed(4)
+    cases = []
+    for block_size, ctx in [(4, 1), (4, 8), (4, 7), (16, 40), (1, 5)]:
+        cache = torch.randn(12, block_size, 2, 3, generator=gen)
+        table = torch.randperm(12, generator=gen)[: bt.blocks_needed(ctx, block_size)].tolist()
+        cases.append((cache, table, ctx))
+    return cases
+
+
+def check_gather_kv(fn) -> CheckResult:
+    """Exercise 03-4: one sequence's K (or V) gathered into a contiguous tensor."""
+
+    def explain(case, expected, got):
+        cache, table, ctx = case
+        if isinstance(got, torch.Tensor) and got.dim() == 3 and got.shape[0] > ctx:
+            return "cut the result to context_len tokens: the last block's tail holds someone else's (or no) data"
+        if isinstance(got, torch.Tensor) and got.shape == expected.shape:
+            return "take the blocks in the order of the block table - the physical ids are not sorted"
+        return f"expected shape {tuple(expected.shape)} = [context_len, kv_heads, head_dim]"
+
+    return check_function(
+        "gather_kv",
+        lambda cache, table, ctx: fn(cache, list(table), ctx),
+        bt.gather_kv,
+        _gather_cases(),
+        show_input=lambda c: f"cache {tuple(c[0].shape)}, block_table={c[1]}, context_len={c[2]}",
+        explain=explain,
+    )
+
