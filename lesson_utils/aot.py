@@ -1,0 +1,182 @@
+"""Lesson 04: compile the course's kernels ahead of time for a T4 (sm_75) and an A100 (sm_80), no GPU needed.
+
+``triton.compile`` with a ``GPUTarget`` produces real PTX and a real cubin (assembled by Triton's bundled
+ptxas), so "does this kernel build for a T4, and does it fit?" is answerable on any machine. The report
+says, per configuration: registers per thread and spills (from ``cuobjdump`` on the cubin), shared memory
+(must fit a T4 block's 48 KiB), and whether the PTX uses tensor-core ``mma`` instructions (never on sm_75).
+
+Compiling must happen in a process where ``TRITON_INTERPRET`` is off (Triton fixes the mode when a kernel
+is defined), so :func:`compile_report` runs ``python -m lesson_utils.aot`` in a subprocess with it set to 0.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+T4_SHARED_LIMIT = 48 * 1024
+TARGETS = {"sm_75": 75, "sm_80": 80}
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """One compiled specialisation of a course kernel."""
+
+    kernel: str  # "decode-simple", "decode-tiled" or "write-kv"
+    dtype: str  # "fp16" or "fp32"
+    head_dim: int
+    block_size: int = 16
+    group: int = 1
+    num_kv_heads: int = 12
+
+    @property
+    def label(self) -> str:
+        if self.kernel == "write-kv":
+            return f"{self.kernel} {self.dtype} row={self.num_kv_heads}x{self.head_dim}"
+        return f"{self.kernel} {self.dtype} d={self.head_dim} bs={self.block_size} gqa={self.group}:1"
+
+
+def course_configs() -> list[KernelConfig]:
+    """Every configuration the course runs: OPT-125m's on a T4 (fp16) and the tests' sizes (fp32/fp16)."""
+    configs = []
+    for kernel in ("decode-simple", "decode-tiled"):
+        configs.append(KernelConfig(kernel, "fp16", 64, 16, 1))  # OPT-125m on a T4
+        configs.append(KernelConfig(kernel, "fp32", 64, 16, 1))  # OPT-125m geometry on a CPU profile
+    for head_dim in (64, 80, 96, 128):  # the tests' head dims, grouped-query 4:1
+        configs.append(KernelConfig("decode-tiled", "fp16", head_dim, 16, 4))
+    for block_size in (8, 32, 64):  # the tests' other block sizes
+        configs.append(KernelConfig("decode-tiled", "fp16", 64, block_size, 4))
+    configs.append(KernelConfig("write-kv", "fp16", 64, num_kv_heads=12))  # OPT-125m: 768, not a power of two
+    configs.append(KernelConfig("write-kv", "fp32", 64, num_kv_heads=12))
+    configs.append(KernelConfig("write-kv", "fp16", 80, num_kv_heads=2))
+    return configs
+
+
+@dataclass
+class CompileResult:
+    config: KernelConfig
+    target: str
+    ok: bool
+    registers: int | None = None
+    spill_bytes: int | None = None
+    shared_bytes: int | None = None
+    tensor_cores: bool | None = None
+    error: str | None = None
+
+    @property
+    def fits_t4(self) -> bool:
+        return self.ok and (self.shared_bytes or 0) <= T4_SHARED_LIMIT
+
+
+def _resource_usage(cubin: bytes) -> tuple[int | None, int | None]:
+    """(registers, spill bytes) from Triton's bundled cuobjdump; (None, None) if it is unavailable."""
+    import triton
+
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    if not tool.exists():
+        return None, None
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        text = subprocess.run([str(tool), "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+    regs = re.search(r"REG:(\d+)", text)
+    stack = re.search(r"STACK:(\d+)", text)
+    return (int(regs.group(1)) if regs else None, int(stack.group(1)) if stack else None)
+
+
+def _compile_one(cfg: KernelConfig, target: str) -> CompileResult:
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from . import kernels
+
+    ptr = "*fp16" if cfg.dtype == "fp16" else "*fp32"
+    if cfg.kernel == "write-kv":
+        row = cfg.num_kv_heads * cfg.head_dim
+        fn = kernels.write_kv_kernel
+        signature = {
+            "k_ptr": ptr, "v_ptr": ptr, "k_cache_ptr": ptr, "v_cache_ptr": ptr, "slot_mapping_ptr": "*i32",
+            "stride_k_token": "i32", "stride_v_token": "i32", "stride_cache_slot": "i32",
+            "ROW": "constexpr", "ROW_P": "constexpr",
+        }
+        constexprs = {"ROW": row, "ROW_P": triton.next_power_of_2(row)}
+    else:
+        fn = kernels.paged_decode_kernel
+        signature = {
+            "out_ptr": ptr, "q_ptr": ptr, "k_cache_ptr": ptr, "v_cache_ptr": ptr,
+            "block_tables_ptr": "*i32", "context_lens_ptr": "*i32", "scale": "fp32",
+            "stride_q_seq": "i32", "stride_q_head": "i32", "stride_o_seq": "i32", "stride_o_head": "i32",
+            "stride_bt_seq": "i32", "stride_slot": "i32", "stride_kv_head": "i32",
+            "GROUP": "constexpr", "HEAD_DIM": "constexpr", "HEAD_DIM_P": "constexpr", "BLOCK_SIZE": "constexpr",
+            "TILE": "constexpr", "SLOTS": "constexpr", "UPDATE": "constexpr",
+        }
+        tile = kernels.tile_tokens(cfg.kernel.removeprefix("decode-"), cfg.block_size, cfg.head_dim)
+        constexprs = {
+            "GROUP": cfg.group, "HEAD_DIM": cfg.head_dim, "HEAD_DIM_P": triton.next_power_of_2(cfg.head_dim),
+            "BLOCK_SIZE": cfg.block_size, "TILE": tile,
+            "SLOTS": kernels.block_slots, "UPDATE": kernels.online_softmax_update,
+        }
+    try:
+        src = ASTSource(fn=fn, signature=signature, constexprs=constexprs)
+        compiled = triton.compile(src, target=GPUTarget("cuda", TARGETS[target], 32), options={"num_warps": 4})
+    except Exception as err:  # noqa: BLE001 - a failed compile is a result to report
+        return CompileResult(cfg, target, ok=False, error=f"{type(err).__name__}: {str(err).splitlines()[0][:300]}")
+    ptx = compiled.asm["ptx"]
+    regs, spill = _resource_usage(compiled.asm["cubin"])
+    return CompileResult(
+        cfg, target, ok=f".target {target}" in ptx and bool(compiled.asm["cubin"]),
+        registers=regs, spill_bytes=spill, shared_bytes=int(compiled.metadata.shared),
+        tensor_cores=bool(re.search(r"\bmma\.", ptx) or "wgmma" in ptx),
+    )
+
+
+def _main() -> None:
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        raise SystemExit("run without TRITON_INTERPRET: the interpreter cannot compile")
+    wanted = json.loads(sys.stdin.read() or "null")
+    configs = [KernelConfig(**c) for c in wanted] if wanted else course_configs()
+    results = [asdict(_compile_one(cfg, target)) for cfg in configs for target in TARGETS]
+    print(json.dumps(results))
+
+
+def compile_report(configs: list[KernelConfig] | None = None, timeout: int = 900) -> list[CompileResult]:
+    """Compile ``configs`` (default: :func:`course_configs`) for sm_75 and sm_80 in a clean subprocess."""
+    environ = dict(os.environ, TRITON_INTERPRET="0")  # "0", not unset: lesson_utils.env only fills it in when absent
+    environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    payload = json.dumps([asdict(c) for c in configs] if configs else None)
+    proc = subprocess.run(
+        [sys.executable, "-m", "lesson_utils.aot"], input=payload, capture_output=True, text=True,
+        env=environ, timeout=timeout, cwd=str(Path(__file__).resolve().parents[1]),
+    )
+    if proc.returncode != 0:
+        raise RuntimeError(f"the ahead-of-time compile process failed:\n{proc.stderr[-3000:]}")
+    out = []
+    for row in json.loads(proc.stdout.strip().splitlines()[-1]):
+        row["config"] = KernelConfig(**row["config"])
+        out.append(CompileResult(**row))
+    return out
+
+
+def format_report(results: list[CompileResult]) -> str:
+    lines = [f"{'kernel configuration':44s} {'target':6s} {'ok':3s} {'regs':>4s} {'spill':>5s} {'shared':>7s} {'fits T4':7s} tensor cores"]
+    for r in results:
+        if not r.ok:
+            lines.append(f"{r.config.label:44s} {r.target:6s} NO   {r.error}")
+            continue
+        lines.append(
+            f"{r.config.label:44s} {r.target:6s} yes {r.registers if r.registers is not None else '?':>4} "
+            f"{r.spill_bytes if r.spill_bytes is not None else '?':>5} {r.shared_bytes:>7d} "
+            f"{'yes' if r.fits_t4 else 'NO':7s} {'mma' if r.tensor_cores else 'no (FMA)'}"
+        )
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    _main()

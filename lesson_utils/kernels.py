@@ -1,0 +1,266 @@
+"""Lesson 04: Triton kernels that read and write the paged KV cache directly.
+
+* :func:`paged_attention_decode` - decode attention (one new query token per sequence) that walks each
+  sequence's block table and keeps an online softmax, so K/V are read once, block by block, and never
+  gathered into a contiguous copy. Grouped-query attention (``num_heads`` a multiple of
+  ``num_kv_heads``), any head_dim (padded to a power of two inside, masked), fp16 or fp32 caches,
+  fp32 accumulation.
+* :func:`write_kv_to_cache` - stores a step's new K/V into their slots (vLLM's "reshape and cache"),
+  for any ``num_kv_heads * head_dim`` (OPT-125m's 768 is not a power of two).
+
+On CUDA the kernels are compiled; on a CPU they run in Triton's interpreter, which ``lesson_utils.env``
+switches on (``TRITON_INTERPRET=1``) before this module defines them. The interpreter checks
+correctness, not speed (about 4 ms per program and loop step).
+
+Two variants of the decode kernel: ``"simple"`` (one block of the table per loop step, the version the
+lesson builds first) and ``"tiled"`` (``TOKENS_PER_TILE`` tokens - several blocks - per step: longer
+loads, fewer loop steps). The two building blocks every variant shares, :func:`block_slots` and
+:func:`online_softmax_update`, are also lesson 04's exercises; kernels take them as ``constexpr``
+arguments so a learner's versions can be dropped in.
+"""
+
+from __future__ import annotations
+
+from . import env  # noqa: F401  (sets TRITON_INTERPRET=1 on a CPU before any kernel is defined)
+
+import torch
+import triton
+import triton.language as tl
+
+from .block_table import paged_attention_reference
+
+__all__ = [
+    "block_slots",
+    "online_softmax_update",
+    "paged_attention_decode",
+    "paged_attention_reference",
+    "write_kv_to_cache",
+    "write_kv_reference",
+]
+
+
+@triton.jit
+def block_slots(block_table_row_ptr, start, context_len, TILE: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+    """Cache slots of the tokens ``start .. start + TILE - 1`` of one sequence, and which of them exist.
+
+    Returns ``(slots, token_mask)``: ``token_mask`` is False past ``context_len``; those tokens are never
+    looked up (their logical block may lie past the end of the table) and get slot 0.
+    """
+    token = start + tl.arange(0, TILE)
+    token_mask = token < context_len
+    physical_block = tl.load(block_table_row_ptr + token // BLOCK_SIZE, mask=token_mask, other=0)
+    return physical_block * BLOCK_SIZE + token % BLOCK_SIZE, token_mask
+
+
+@triton.jit
+def online_softmax_update(m_i, l_i, acc, scores, v):
+    """Fold one tile of keys into a running softmax-weighted sum (Milakov & Gimelshein's online softmax).
+
+    ``m_i``: running max of the scores so far; ``l_i``: running sum of ``exp(score - m_i)``;
+    ``acc``: running ``sum(exp(score - m_i) * v)``, ``[HEAD_DIM]``. ``scores``: ``[TILE]`` (masked entries
+    are ``-inf``), ``v``: ``[TILE, HEAD_DIM]``. Rescaling by ``exp(m_old - m_new)`` keeps every exponent
+    <= 0, so nothing overflows whatever the scores' size.
+    """
+    m_new = tl.maximum(m_i, tl.max(scores, 0))
+    alpha = tl.exp(m_i - m_new)
+    p = tl.exp(scores - m_new)
+    l_new = l_i * alpha + tl.sum(p, 0)
+    acc = acc * alpha + tl.sum(p[:, None] * v, 0)
+    return m_new, l_new, acc
+
+
+@triton.jit
+def paged_decode_kernel(
+    out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
+    scale,
+    stride_q_seq, stride_q_head,
+    stride_o_seq, stride_o_head,
+    stride_bt_seq,
+    stride_slot, stride_kv_head,
+    GROUP: tl.constexpr,  # query heads per KV head
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_P: tl.constexpr,  # HEAD_DIM rounded up to a power of two
+    BLOCK_SIZE: tl.constexpr,
+    TILE: tl.constexpr,  # tokens per loop step: BLOCK_SIZE ("simple") or several blocks ("tiled")
+    SLOTS: tl.constexpr,  # the block-table lookup (block_slots or a learner's version)
+    UPDATE: tl.constexpr,  # the online-softmax step (online_softmax_update or a learner's version)
+):
+    """One program per (sequence, query head)."""
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    kv_head = head // GROUP
+    context_len = tl.load(context_lens_ptr + seq)
+
+    d = tl.arange(0, HEAD_DIM_P)
+    d_mask = d < HEAD_DIM
+    q = tl.load(q_ptr + seq * stride_q_seq + head * stride_q_head + d, mask=d_mask, other=0.0).to(tl.float32)
+
+    m_i = tl.full([], float("-inf"), tl.float32)
+    l_i = tl.zeros([], tl.float32)
+    acc = tl.zeros([HEAD_DIM_P], tl.float32)
+    for start in range(0, context_len, TILE):
+        slot, token_mask = SLOTS(block_tables_ptr + seq * stride_bt_seq, start, context_len, TILE, BLOCK_SIZE)
+        offsets = slot[:, None] * stride_slot + kv_head * stride_kv_head + d[None, :]
+        kv_mask = token_mask[:, None] & d_mask[None, :]
+        k = tl.load(k_cache_ptr + offsets, mask=kv_mask, other=0.0).to(tl.float32)
+        scores = tl.sum(k * q[None, :], 1) * scale
+        scores = tl.where(token_mask, scores, float("-inf"))
+        v = tl.load(v_cache_ptr + offsets, mask=kv_mask, other=0.0).to(tl.float32)
+        m_i, l_i, acc = UPDATE(m_i, l_i, acc, scores, v)
+
+    out = acc / l_i
+    tl.store(out_ptr + seq * stride_o_seq + head * stride_o_head + d, out.to(out_ptr.dtype.element_ty), mask=d_mask)
+
+
+VARIANTS = ("simple", "tiled")
+TILE_ELEMENTS = 4096  # the tiled variant loads about this many K (and V) elements per loop step
+
+
+def tile_tokens(variant: str, block_size: int, head_dim: int) -> int:
+    """Tokens per loop step: one block ("simple"), or enough blocks for ~TILE_ELEMENTS elements ("tiled")."""
+    if variant == "simple":
+        return block_size
+    return max(block_size, TILE_ELEMENTS // triton.next_power_of_2(head_dim))
+
+
+def _check_decode_inputs(q, k_cache, v_cache, block_tables, context_lens):
+    if q.dim() != 3:
+        raise ValueError(f"q must be [num_seqs, num_heads, head_dim], got shape {tuple(q.shape)}")
+    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
+        raise ValueError(
+            f"k_cache and v_cache must both be [num_blocks, block_size, num_kv_heads, head_dim]; got "
+            f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
+        )
+    num_seqs, num_heads, head_dim = q.shape
+    num_blocks, block_size, num_kv_heads, cache_head_dim = k_cache.shape
+    if cache_head_dim != head_dim:
+        raise ValueError(f"q has head_dim {head_dim}, the cache {cache_head_dim}")
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+    if block_size & (block_size - 1):
+        raise ValueError(f"block_size must be a power of two for the kernel, got {block_size}")
+    if block_tables.dtype != torch.int32 or context_lens.dtype != torch.int32:
+        raise TypeError(f"block_tables and context_lens must be int32, got {block_tables.dtype} and {context_lens.dtype}")
+    if block_tables.shape[0] != num_seqs or context_lens.shape != (num_seqs,):
+        raise ValueError(
+            f"{num_seqs} sequences in q, but block_tables is {tuple(block_tables.shape)} and context_lens "
+            f"{tuple(context_lens.shape)}"
+        )
+    if num_seqs and int(context_lens.min()) < 1:
+        raise ValueError("every context length must be at least 1 (a decode query attends to itself)")
+    if num_seqs and int(context_lens.max()) > block_tables.shape[1] * block_size:
+        raise ValueError(
+            f"a context of {int(context_lens.max())} tokens needs more than the {block_tables.shape[1]} "
+            f"blocks of {block_size} that block_tables has room for"
+        )
+
+
+def paged_attention_decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float | None = None,
+    *,
+    variant: str = "tiled",
+    slots_fn=None,
+    update_fn=None,
+    num_warps: int = 4,
+) -> torch.Tensor:
+    """Decode attention through block tables with a Triton kernel (see the module docstring).
+
+    ``q`` ``[num_seqs, num_heads, head_dim]``; ``k_cache``/``v_cache``
+    ``[num_blocks, block_size, num_kv_heads, head_dim]``; ``block_tables`` int32
+    ``[num_seqs, max_blocks_per_seq]``; ``context_lens`` int32 ``[num_seqs]``. Returns
+    ``[num_seqs, num_heads, head_dim]`` in ``q``'s dtype. ``slots_fn``/``update_fn`` replace the two
+    building blocks (lesson 04's exercises). Block ids are trusted: validate tables where they are built.
+    """
+    if variant not in VARIANTS:
+        raise ValueError(f"unknown variant {variant!r}; choose one of {VARIANTS}")
+    _check_decode_inputs(q, k_cache, v_cache, block_tables, context_lens)
+    num_seqs, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    if scale is None:
+        scale = head_dim**-0.5
+    q = q.contiguous()
+    k_cache, v_cache = k_cache.contiguous(), v_cache.contiguous()
+    block_tables = block_tables.contiguous()
+    out = torch.empty_like(q)
+    if num_seqs == 0:
+        return out
+    tile = tile_tokens(variant, block_size, head_dim)
+    paged_decode_kernel[(num_seqs, num_heads)](
+        out, q, k_cache, v_cache, block_tables, context_lens,
+        float(scale),
+        q.stride(0), q.stride(1),
+        out.stride(0), out.stride(1),
+        block_tables.stride(0),
+        k_cache.stride(1), k_cache.stride(2),
+        GROUP=num_heads // num_kv_heads,
+        HEAD_DIM=head_dim,
+        HEAD_DIM_P=triton.next_power_of_2(head_dim),
+        BLOCK_SIZE=block_size,
+        TILE=tile,
+        SLOTS=slots_fn or block_slots,
+        UPDATE=update_fn or online_softmax_update,
+        num_warps=num_warps,
+    )
+    return out
+
+
+@triton.jit
+def write_kv_kernel(
+    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
+    stride_k_token, stride_v_token, stride_cache_slot,
+    ROW: tl.constexpr,  # num_kv_heads * head_dim: one token's K (or V)
+    ROW_P: tl.constexpr,  # ROW rounded up to a power of two; the tail is masked
+):
+    """One program per new token: copy its K and V rows into its slot. Slot -1 means 'skip' (padding)."""
+    token = tl.program_id(0)
+    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
+    if slot >= 0:
+        i = tl.arange(0, ROW_P)
+        mask = i < ROW
+        k = tl.load(k_ptr + token * stride_k_token + i, mask=mask)
+        v = tl.load(v_ptr + token * stride_v_token + i, mask=mask)
+        tl.store(k_cache_ptr + slot * stride_cache_slot + i, k, mask=mask)
+        tl.store(v_cache_ptr + slot * stride_cache_slot + i, v, mask=mask)
+
+
+def write_kv_reference(k, v, k_cache, v_cache, slot_mapping) -> None:
+    """Plain-torch reference of :func:`write_kv_to_cache`."""
+    keep = slot_mapping >= 0
+    flat_k = k_cache.view(-1, k_cache.shape[2], k_cache.shape[3])
+    flat_v = v_cache.view(-1, v_cache.shape[2], v_cache.shape[3])
+    flat_k[slot_mapping[keep].long()] = k[keep].to(k_cache.dtype)
+    flat_v[slot_mapping[keep].long()] = v[keep].to(v_cache.dtype)
+
+
+def write_kv_to_cache(k, v, k_cache, v_cache, slot_mapping) -> None:
+    """Store ``k``/``v`` ``[num_tokens, num_kv_heads, head_dim]`` into the paged caches at ``slot_mapping``.
+
+    ``slot_mapping`` ``[num_tokens]`` (int32 or int64) holds flat slots ``block * block_size + offset``;
+    -1 skips a token. The caches must be contiguous (they are written in place).
+    """
+    if k.shape != v.shape or k.dim() != 3:
+        raise ValueError(f"k and v must be [num_tokens, num_kv_heads, head_dim], got {tuple(k.shape)} and {tuple(v.shape)}")
+    if k_cache.shape != v_cache.shape or k_cache.shape[2:] != k.shape[1:]:
+        raise ValueError(f"the caches {tuple(k_cache.shape)} do not hold tokens of shape {tuple(k.shape[1:])}")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("the caches must be contiguous: the kernel writes them in place")
+    if slot_mapping.shape != (k.shape[0],):
+        raise ValueError(f"slot_mapping must have one entry per token ({k.shape[0]}), got {tuple(slot_mapping.shape)}")
+    total_slots = k_cache.shape[0] * k_cache.shape[1]
+    if k.shape[0] and int(slot_mapping.max()) >= total_slots:
+        raise ValueError(f"slot {int(slot_mapping.max())} is outside the cache's {total_slots} slots")
+    if k.shape[0] == 0:
+        return
+    k = k.to(k_cache.dtype).contiguous()
+    v = v.to(v_cache.dtype).contiguous()
+    row = k.shape[1] * k.shape[2]
+    write_kv_kernel[(k.shape[0],)](
+        k, v, k_cache, v_cache, slot_mapping.contiguous(),
+        k.stride(0), v.stride(0), k_cache.shape[2] * k_cache.shape[3],
+        ROW=row, ROW_P=triton.next_power_of_2(row),
+    )
