@@ -20,7 +20,7 @@ from typing import Callable
 
 import numpy as np
 
-from .block_allocator import BlockAllocator
+from .block_allocator import BlockAllocator, OutOfBlocks
 from .block_table import BlockTable, blocks_needed, grow_block_table
 from .contiguous import NeverFits
 from .reservation import FREE, INTERNAL, TOKEN
@@ -88,8 +88,18 @@ class BlockManager:
 
     # ---- used by the paged cache ----------------------------------------------------------------
     def ensure_capacity(self, seq_id: int, num_tokens: int) -> BlockTable:
-        """Grow ``seq_id``'s table (created if new) until it holds ``num_tokens`` tokens."""
+        """Grow ``seq_id``'s table (created if new) until it holds ``num_tokens`` tokens.
+
+        All or nothing: if fewer blocks are free than the growth needs, raises ``OutOfBlocks`` and
+        changes nothing (no half-grown table, no table left behind for a new sequence).
+        """
         table = self.tables.get(seq_id)
+        short = blocks_needed(num_tokens, self.block_size) - (len(table.blocks) if table is not None else 0)
+        if short > self.allocator.num_free:
+            raise OutOfBlocks(
+                f"sequence {seq_id} needs {short} more block(s) for {num_tokens} tokens, but only "
+                f"{self.allocator.num_free} of the {self.num_blocks} blocks are free"
+            )
         if table is None:
             table = self.tables[seq_id] = BlockTable(self.block_size)
         while table.num_tokens < num_tokens:
