@@ -202,8 +202,8 @@ def paged_attention_decode(
         HEAD_DIM_P=triton.next_power_of_2(head_dim),
         BLOCK_SIZE=block_size,
         TILE=tile,
-        SLOTS=slots_fn or block_slots,
-        UPDATE=update_fn or online_softmax_update,
+        SLOTS=block_slots if slots_fn is None else slots_fn,
+        UPDATE=online_softmax_update if update_fn is None else update_fn,
         num_warps=num_warps,
     )
     return out

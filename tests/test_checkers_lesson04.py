@@ -1,0 +1,86 @@
+"""Lesson 04's checkers reject plausible wrong kernels (wrong block index, missing mask, softmax without
+the running max, no rescaling) with a message naming the case, and accept the reference."""
+
+from __future__ import annotations
+
+import pytest
+import triton
+import triton.language as tl
+
+from lesson_utils import kernels as K
+from lesson_utils.checks import lesson04
+
+
+@pytest.fixture(autouse=True)
+def not_strict(monkeypatch):
+    monkeypatch.delenv("COURSE_STRICT", raising=False)
+
+
+def rejected(result, *needles):
+    assert not result.passed and result.implemented, result.message
+    for n in needles:
+        assert n in result.message, f"{n!r} not in:\n{result.message}"
+    return True
+
+
+@triton.jit
+def logical_as_physical(block_table_row_ptr, start, context_len, TILE: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+    token = start + tl.arange(0, TILE)
+    token_mask = token < context_len
+    return token, token_mask  # forgets the block table
+
+
+@triton.jit
+def no_mask(block_table_row_ptr, start, context_len, TILE: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+    token = start + tl.arange(0, TILE)
+    token_mask = token >= 0
+    block = tl.load(block_table_row_ptr + token // BLOCK_SIZE)
+    return block * BLOCK_SIZE + token % BLOCK_SIZE, token_mask
+
+
+@triton.jit
+def wrong_block_index(block_table_row_ptr, start, context_len, TILE: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+    token = start + tl.arange(0, TILE)
+    token_mask = token < context_len
+    block = tl.load(block_table_row_ptr + token % BLOCK_SIZE, mask=token_mask, other=0)
+    return block * BLOCK_SIZE + token % BLOCK_SIZE, token_mask
+
+
+@triton.jit
+def no_running_max(m_i, l_i, acc, scores, v):
+    p = tl.exp(scores)
+    return m_i, l_i + tl.sum(p, 0), acc + tl.sum(p[:, None] * v, 0)
+
+
+@triton.jit
+def no_rescale(m_i, l_i, acc, scores, v):
+    m_new = tl.maximum(m_i, tl.max(scores, 0))
+    p = tl.exp(scores - m_new)
+    return m_new, l_i + tl.sum(p, 0), acc + tl.sum(p[:, None] * v, 0)
+
+
+@triton.jit
+def unsolved_update(m_i, l_i, acc, scores, v):
+    raise NotImplementedError("Exercise 'online_softmax_update' is not solved yet")
+
+
+def test_reference_blocks_pass():
+    assert lesson04.check_block_slots(K.block_slots).passed
+    assert lesson04.check_online_softmax_update(K.online_softmax_update).passed
+
+
+def test_wrong_lookups_are_rejected():
+    assert rejected(lesson04.check_block_slots(logical_as_physical), "shuffled table", "max abs error")
+    assert rejected(lesson04.check_block_slots(no_mask), "partial last block", "must be masked")
+    assert rejected(lesson04.check_block_slots(wrong_block_index), "max abs error")
+
+
+def test_wrong_softmax_updates_are_rejected():
+    assert rejected(lesson04.check_online_softmax_update(no_running_max), "large scores", "inf/nan")
+    assert rejected(lesson04.check_online_softmax_update(no_rescale), "many tiles", "rescale")
+
+
+def test_unsolved_kernel_exercise_is_reported(capsys):
+    result = lesson04.check_online_softmax_update(unsolved_update)
+    assert not result.implemented and result.use is K.online_softmax_update
+    assert "not implemented yet" in capsys.readouterr().out
