@@ -139,3 +139,26 @@ def test_every_course_kernel_compiles_for_t4_and_a100():
     assert all(r.fits_t4 for r in results), report
     assert not any(r.tensor_cores for r in results if r.target == "sm_75"), report  # no mma on Turing via Triton
     assert all(r.spill_bytes in (0, None) for r in results), report
+
+
+def test_engine_with_triton_backend_is_token_identical_to_hf():
+    """The tiny OPT under the interpreter: Triton writes K/V and attends for decode tokens."""
+    from lesson_utils.block_manager import BlockManager
+    from lesson_utils.engine import Engine
+    from lesson_utils.env import Profile
+    from lesson_utils.model import load_model
+    from lesson_utils.opt_forward import OPTWeights
+    from lesson_utils.triton_cache import TritonPagedKVCache
+
+    lm = load_model(profile=Profile(name="ci", device="cpu", device_name="test"))
+    w = OPTWeights.from_hf(lm.model)
+    g = torch.Generator().manual_seed(5)
+    prompts = [[2]] + [[2] + torch.randint(4, w.vocab_size, (n,), generator=g).tolist() for n in (7, 15, 22)]
+    cache = TritonPagedKVCache(w.num_layers, w.num_heads, w.head_dim, BlockManager(9, 8))  # tight: forces waiting
+    outs = Engine(w, cache).generate(prompts, 8)
+    for p, out in zip(prompts, outs):
+        ids = torch.tensor([p])
+        hf = lm.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False,
+                               eos_token_id=w.eos_token_id, pad_token_id=1)[0, len(p):].tolist()
+        assert out == hf
+    assert cache.manager.allocator.num_free == 9
