@@ -1,23 +1,30 @@
-"""Lesson 03: a mini serving engine - requests in, token ids out.
+"""Lessons 03 and 05: a mini serving engine - requests in, token ids out.
 
 Three pieces, each replaceable:
 
 * the **scheduler** (:class:`~lesson_utils.scheduler.FCFSScheduler`) decides who runs this step;
-* the **memory manager** (here the :class:`~lesson_utils.block_manager.BlockManager` inside a
-  :class:`~lesson_utils.paged_cache.PagedKVCache`) decides where their K/V live;
+* the **memory manager** (the :class:`~lesson_utils.block_manager.BlockManager` inside a
+  :class:`~lesson_utils.paged_cache.PagedKVCache`, or lesson 05's
+  :class:`~lesson_utils.sharing.SharingBlockManager`) decides where their K/V live;
 * the **model runner** runs one forward step over everyone scheduled: new sequences are prefilled
-  (all their tokens), running ones decode one token, side by side in one flat batch.
+  (all their tokens not yet in the cache), running ones decode one token, side by side in one flat batch.
 
 Replace the model runner with the accounting runner and you have the simulator (lesson 02): the same
 scheduler and memory manager objects make the same decisions.
+
+Lesson 05 adds: registering computed blocks in the prefix cache after each step, parallel sampling
+(``n`` samples of one prompt share its blocks by forking after the prefill) and beam search (beams fork
+and die; copy-on-write keeps their diverging last blocks apart).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import time
+from dataclasses import dataclass, field, replace
 
 import torch
 
+from .block_allocator import OutOfBlocks
 from .kv_cache import StepBatch
 from .opt_forward import OPTWeights, forward
 from .scheduler import FCFSScheduler, Sequence
@@ -25,21 +32,36 @@ from .workloads import Request
 
 
 class ModelRunner:
-    """Runs the OPT forward for a step and picks the next token of each sequence (greedy)."""
+    """Runs the OPT forward for a step and picks each sequence's next token."""
 
     def __init__(self, w: OPTWeights, cache):
         self.w, self.cache = w, cache
 
+    def logits(self, seqs: list[Sequence]) -> torch.Tensor:
+        """Feed every sequence the tokens not yet in the cache; logits of each one's last token."""
+        device = self.w.embed_tokens.device
+        tokens = [seq.token_ids[seq.kv_len :] for seq in seqs]
+        batch = StepBatch.build([s.seq_id for s in seqs], tokens, [s.kv_len for s in seqs], device=device)
+        out = forward(self.w, batch, self.cache, last_only=True)
+        for seq in seqs:
+            seq.kv_len = len(seq.token_ids)
+        return out
+
+    @staticmethod
+    def sample(seq: Sequence, logits: torch.Tensor) -> int:
+        if seq.temperature <= 0:
+            return int(torch.argmax(logits))
+        probs = torch.softmax(logits.float() / seq.temperature, dim=-1).cpu()
+        return int(torch.multinomial(probs, 1, generator=seq.generator))
+
     def execute(self, running: list[Sequence], step: int) -> None:
         if not running:
             return
-        device = self.w.embed_tokens.device
-        tokens = [seq.token_ids[seq.kv_len :] for seq in running]
-        batch = StepBatch.build([s.seq_id for s in running], tokens, [s.kv_len for s in running], device=device)
-        next_ids = forward(self.w, batch, self.cache, last_only=True).argmax(dim=-1).tolist()
-        for seq, tok in zip(running, next_ids):
-            seq.kv_len = len(seq.token_ids)
-            seq.output_ids.append(int(tok))
+        logits = self.logits(running)
+        for seq, row in zip(running, logits):
+            if seq.pending_forks:
+                seq.last_logits = row  # its forked siblings sample their first token from the same logits
+            seq.output_ids.append(self.sample(seq, row))
             seq.num_generated += 1
             if seq.first_token_step is None:
                 seq.first_token_step = step
@@ -53,11 +75,12 @@ class StepStats:
     free_blocks: int
     prefill_tokens: int
     preempted: int
+    seconds: float = 0.0
 
 
 @dataclass
 class Engine:
-    """Serve token-id requests with greedy decoding on any cache that has a memory manager."""
+    """Serve token-id requests on any cache that has a memory manager (greedy unless told otherwise)."""
 
     w: OPTWeights
     cache: object  # a PagedKVCache (lesson 03); anything with a ``manager`` implementing MemoryManager
@@ -71,52 +94,163 @@ class Engine:
         self._next_id = 0
         self._step = 0
 
-    def add_request(self, prompt_ids: list[int], max_new_tokens: int) -> Sequence:
+    @property
+    def manager(self):
+        return self.cache.manager
+
+    def _new_id(self) -> int:
+        self._next_id += 1
+        return self._next_id - 1
+
+    def add_request(
+        self, prompt_ids: list[int], max_new_tokens: int, *, n: int = 1, temperature: float = 0.0, seed: int | None = None
+    ) -> Sequence:
+        """Queue a request; with ``n > 1`` its samples share the prompt's blocks (forked after the prefill).
+
+        Returns the first sample; all ``n`` are in its ``samples`` list once they exist.
+        """
         if not prompt_ids:
             raise ValueError("a request needs at least one prompt token")
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
+        if n < 1:
+            raise ValueError(f"n (samples per prompt) must be at least 1, got {n}")
         if len(prompt_ids) + max_new_tokens > self.w.max_positions:
             raise ValueError(
                 f"a prompt of {len(prompt_ids)} tokens plus {max_new_tokens} new ones exceeds the model's "
                 f"{self.w.max_positions} positions"
             )
-        req = Request(self._next_id, 0.0, len(prompt_ids), max_new_tokens, prompt_ids=list(prompt_ids))
-        self._next_id += 1
-        seq = Sequence(req, eos_token_id=self.w.eos_token_id if self.stop_at_eos else None)
+        req = Request(self._new_id(), 0.0, len(prompt_ids), max_new_tokens, prompt_ids=list(prompt_ids))
+        seq = Sequence(req, eos_token_id=self.w.eos_token_id if self.stop_at_eos else None,
+                       temperature=temperature, pending_forks=n - 1)
+        if temperature > 0:
+            seq.generator = torch.Generator().manual_seed(seed if seed is not None else req.req_id)
+        seq.samples = [seq]
+        seq.added_at = time.perf_counter()
         self.scheduler.add(seq)  # raises NeverFits for a request the cache can never hold
         return seq
 
+    def _fork_samples(self, parent: Sequence) -> None:
+        """After the parent's prefill: n-1 siblings share its blocks and sample their own first token."""
+        for i in range(parent.pending_forks):
+            child = Sequence(
+                replace(parent.request, req_id=self._new_id()), num_generated=parent.num_generated,
+                admitted_step=parent.admitted_step, first_token_step=parent.first_token_step,
+                output_ids=list(parent.output_ids[:-1]), eos_token_id=parent.eos_token_id, kv_len=parent.kv_len,
+                temperature=parent.temperature,
+            )
+            if parent.temperature > 0:
+                child.generator = torch.Generator().manual_seed(int(parent.generator.initial_seed()) + 1000 * (i + 1))
+            child.output_ids.append(ModelRunner.sample(child, parent.last_logits))
+            child.added_at = parent.added_at
+            self.manager.fork(parent.seq_id, child.seq_id)
+            parent.samples.append(child)
+            self.scheduler.running.append(child)
+        parent.pending_forks = 0
+        parent.last_logits = None
+
     def step(self) -> list[Sequence]:
-        """One iteration: admit, make room, run the model, retire. Returns the sequences that finished."""
+        """One iteration: admit, make room, run the model, register computed blocks, retire."""
+        t0 = time.perf_counter()
         sch = self.scheduler
         sch.admit(self._step)
         preempted = sch.reserve_next_slots()
         if not sch.running and sch.waiting:
             raise RuntimeError("the head request cannot be admitted even into an empty cache")
-        prefill = sum(len(s.token_ids) for s in sch.running if s.kv_len == 0)
+        prefill = sum(len(s.token_ids) - s.kv_len for s in sch.running if len(s.token_ids) - s.kv_len > 1)
         self.runner.execute(sch.running, self._step)
+        cache_computed = getattr(self.manager, "cache_computed", None)
+        for seq in list(sch.running):
+            if cache_computed is not None:
+                cache_computed(seq)
+            if seq.pending_forks:
+                self._fork_samples(seq)
         done = sch.retire_finished(self._step)
+        now = time.perf_counter()
+        for seq in sch.running + done:
+            if seq.first_token_step == self._step and seq.first_token_s is None:
+                seq.first_token_s = now - seq.added_at
         free = getattr(sch.manager, "allocator", None)
         self.stats.append(
             StepStats(self._step, len(sch.running) + len(done), len(sch.waiting),
-                      free.num_free if free is not None else -1, prefill, len(preempted))
+                      free.num_free if free is not None else -1, prefill, len(preempted), now - t0)
         )
         self._step += 1
         return done
 
-    def generate(self, prompts: list[list[int]], max_new_tokens: int, progress: bool = False) -> list[list[int]]:
-        """Serve every prompt (all arriving now); returns the generated ids of each, in order."""
-        seqs = [self.add_request(p, max_new_tokens) for p in prompts]
+    def run(self, progress: bool = False, total: int | None = None) -> None:
         bar = None
         if progress:
             from tqdm.auto import tqdm
 
-            bar = tqdm(total=len(seqs), desc="serving", unit="req", leave=False)
+            bar = tqdm(total=total, desc="serving", unit="seq", leave=False)
         while self.scheduler.has_work:
             done = self.step()
             if bar is not None:
                 bar.update(len(done))
         if bar is not None:
             bar.close()
+
+    def generate(self, prompts: list[list[int]], max_new_tokens: int, progress: bool = False) -> list[list[int]]:
+        """Serve every prompt (all arriving now); returns the generated ids of each, in order."""
+        seqs = [self.add_request(p, max_new_tokens) for p in prompts]
+        self.run(progress, total=len(seqs))
         return [s.output_ids for s in seqs]
+
+    def beam_search(self, prompt_ids: list[int], beam_width: int, max_new_tokens: int) -> tuple[list[int], dict]:
+        """Fixed-length beam search (end-of-sequence is not special) sharing blocks between beams.
+
+        Each step every beam proposes its continuations; the ``beam_width`` best (sum of log-probs, ties by
+        beam then token order) survive. A beam chosen more than once is forked; a beam not chosen is freed.
+        Needs a manager with ``fork`` (lesson 05). Returns the best beam's tokens and sharing statistics.
+        """
+        if beam_width < 1:
+            raise ValueError(f"beam_width must be at least 1, got {beam_width}")
+        if self.scheduler.has_work:
+            raise RuntimeError("beam_search needs the engine to itself: finish the queued requests first")
+        mgr = self.manager
+        root = Sequence(Request(self._new_id(), 0.0, len(prompt_ids), max_new_tokens, prompt_ids=list(prompt_ids)))
+        mgr.check_admissible(root)
+        if not mgr.can_allocate(root):
+            raise OutOfBlocks("not enough free blocks to start the beam search")
+        mgr.allocate(root)
+        beams: list[tuple[Sequence, float]] = [(root, 0.0)]
+        logical = physical = 0
+        try:
+            for _ in range(max_new_tokens):
+                for seq, _ in beams:
+                    mgr.append_slot(seq)
+                logp = torch.log_softmax(self.runner.logits([s for s, _ in beams]).float(), dim=-1).cpu()
+                for seq, _ in beams:
+                    mgr.cache_computed(seq) if hasattr(mgr, "cache_computed") else None
+                total = torch.tensor([sc for _, sc in beams])[:, None] + logp
+                order = torch.argsort(-total.flatten(), stable=True)[:beam_width].tolist()
+                vocab = logp.shape[1]
+                chosen = [(i // vocab, i % vocab, float(total.flatten()[i])) for i in order]
+                used: set[int] = set()
+                new_beams = []
+                for bi, tok, score in chosen:  # forks first: a fork copies its parent before it grows
+                    parent = beams[bi][0]
+                    if bi in used:
+                        child = Sequence(replace(parent.request, req_id=self._new_id()), num_generated=parent.num_generated,
+                                         output_ids=list(parent.output_ids), kv_len=parent.kv_len)
+                        mgr.fork(parent.seq_id, child.seq_id)
+                        new_beams.append((child, tok, score))
+                    else:
+                        used.add(bi)
+                        new_beams.append((parent, tok, score))
+                for bi, (seq, _) in enumerate(beams):
+                    if bi not in used:
+                        mgr.free(seq)
+                for seq, tok, _ in new_beams:
+                    seq.output_ids.append(tok)
+                    seq.num_generated += 1
+                beams = [(seq, score) for seq, _, score in new_beams]
+                lg, ph = mgr.sharing()
+                logical, physical = logical + lg, physical + ph
+        finally:
+            for seq, _ in beams:
+                if seq.seq_id in mgr.tables:
+                    mgr.free(seq)
+        best = max(beams, key=lambda b: b[1])[0]  # max keeps the first of equal scores
+        return best.output_ids, {"saving": 1 - physical / logical if logical else 0.0, "cow": getattr(mgr, "num_cow", 0)}

@@ -42,10 +42,14 @@ class PagedKVCache:
         self._slot_mapping, self._gather = slot_mapping_fn, gather_fn
 
     @classmethod
-    def for_model(cls, w, num_blocks: int, block_size: int = 16, **kw) -> "PagedKVCache":
-        """A cache with the geometry of ``w`` (an ``OPTWeights``) and a fresh block manager."""
+    def for_model(cls, w, num_blocks: int | None = None, block_size: int = 16, *, manager=None, **kw) -> "PagedKVCache":
+        """A cache with the geometry of ``w`` (an ``OPTWeights``): on ``manager``, or on a fresh
+        :class:`BlockManager` of ``num_blocks`` blocks."""
         manager_kw = {k: kw.pop(k) for k in ("watermark", "grow_fn", "allocator") if k in kw}
-        manager = BlockManager(num_blocks, block_size, max_seq_len=w.max_positions, **manager_kw)
+        if manager is None:
+            if num_blocks is None:
+                raise ValueError("give num_blocks (or a manager)")
+            manager = BlockManager(num_blocks, block_size, max_seq_len=w.max_positions, **manager_kw)
         return cls(w.num_layers, w.num_heads, w.head_dim, manager, **kw)
 
     @property
@@ -58,9 +62,23 @@ class PagedKVCache:
         return 2 * len(self.k_cache) * k[0].numel() * k.element_size()
 
     def prepare(self, batch: StepBatch) -> None:
-        tables = [self.manager.ensure_capacity(sid, clen).blocks for sid, clen in zip(batch.seq_ids, batch.context_lens)]
+        make_writable = getattr(self.manager, "make_writable", None)  # lesson 05: copy-on-write
+        tables = []
+        for sid, qlen, clen in zip(batch.seq_ids, batch.query_lens, batch.context_lens):
+            table = self.manager.ensure_capacity(sid, clen)
+            if make_writable is not None:
+                make_writable(sid, clen - qlen, clen)
+            tables.append(table.blocks)
+        for src, dst in getattr(self.manager, "pop_copies", list)():
+            self.copy_block(src, dst)
         batch.extra["slots"] = self._slot_mapping(batch, tables, self.block_size)
         batch.extra["block_tables"] = tables
+
+    def copy_block(self, src: int, dst: int) -> None:
+        """Copy one block's K/V in every layer (copy-on-write's data movement)."""
+        for kc, vc in zip(self.k_cache, self.v_cache):
+            kc[dst].copy_(kc[src])
+            vc[dst].copy_(vc[src])
 
     def write(self, layer, batch, k, v):
         slots = batch.extra["slots"]

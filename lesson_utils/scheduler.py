@@ -37,6 +37,13 @@ class Sequence:
     eos_token_id: int | None = None
     kv_len: int = 0
     preemptions: int = 0
+    temperature: float = 0.0  # 0 = greedy
+    generator: object = None  # a torch.Generator for sampling
+    pending_forks: int = 0  # parallel sampling: siblings still to fork after the prefill
+    last_logits: object = None
+    samples: list = field(default_factory=list)
+    added_at: float = 0.0
+    first_token_s: float | None = None  # time to first token, seconds (real runs)
 
     @property
     def seq_id(self) -> int:

@@ -30,6 +30,7 @@ class AccountingRunner:
 
     def execute(self, running: list[Sequence], step: int) -> None:
         for seq in running:
+            seq.kv_len = seq.len  # everything fed this step is now "computed"
             seq.num_generated += 1
             if seq.first_token_step is None:
                 seq.first_token_step = step
@@ -132,6 +133,10 @@ def simulate(
             )
         scheduler.reserve_next_slots()
         runner.execute(scheduler.running, step)
+        cache_computed = getattr(scheduler.manager, "cache_computed", None)
+        if cache_computed is not None:  # lesson 05: register full, computed blocks in the prefix cache
+            for seq in scheduler.running:
+                cache_computed(seq)
 
         br = scheduler.manager.breakdown()
         rec_steps.append(step)

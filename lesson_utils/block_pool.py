@@ -1,0 +1,128 @@
+"""Lesson 05: a block pool with reference counts and a prefix cache.
+
+Extends lesson 03's allocator in two ways.
+
+**Reference counts.** A block's count equals the number of block tables that hold it. Forking a sequence
+bumps the counts of its blocks instead of copying them; a block returns to the free pool only when its
+count drops to zero.
+
+**Prefix cache.** A *full* block can be registered under a hash of its tokens chained with the hash of
+the block before it, so the hash names the whole prefix up to and including that block. A later request
+whose prompt starts with the same tokens finds the blocks by hash and reuses their K/V instead of
+recomputing them. Lookups compare the tokens too, so a hash collision can never hand out wrong K/V.
+
+Freed blocks keep their contents and their hash: they stay findable until the allocator needs them for
+something else. The free queue is in eviction order - least recently freed first - and every operation
+on it is O(1) (an ``OrderedDict``: pop the oldest, remove from the middle on a cache hit, append).
+
+Invariants: ``ref_count[b] == 0`` exactly when ``b`` is in the free queue; a hash maps to at most one
+block and that block's recorded tokens are the ones hashed; free + held == all blocks.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from .block_allocator import OutOfBlocks
+
+NO_PARENT = None
+
+
+def block_hash(parent_hash, tokens) -> int:
+    """Hash of a full block: chained with its parent's hash, so equal hashes mean equal whole prefixes."""
+    return hash((parent_hash, tuple(int(t) for t in tokens)))
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int, enable_caching: bool = True):
+        if not isinstance(num_blocks, int) or num_blocks < 1:
+            raise ValueError(f"a KV cache needs at least one block, got {num_blocks!r}")
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        self.ref_count = [0] * num_blocks
+        self._free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
+        self.hash_of: dict[int, int] = {}  # block -> hash (only cached, full blocks)
+        self.tokens_of: dict[int, tuple[int, ...]] = {}
+        self.block_of: dict[int, int] = {}  # hash -> block
+        self.hits = self.lookups = self.evictions = 0
+
+    # ---- counts ----------------------------------------------------------------------------------
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_blocks - len(self._free)
+
+    @property
+    def num_cached_free(self) -> int:
+        """Free blocks that still hold a findable prefix."""
+        return sum(1 for b in self._free if b in self.hash_of)
+
+    def is_free(self, block_id: int) -> bool:
+        self._check_id(block_id)
+        return self.ref_count[block_id] == 0
+
+    # ---- allocation ------------------------------------------------------------------------------
+    def allocate(self) -> int:
+        """A block with count 1; evicts the least recently freed block's cached prefix if it had one."""
+        if not self._free:
+            raise OutOfBlocks(f"all {self.num_blocks} blocks are in use")
+        block_id, _ = self._free.popitem(last=False)
+        self._evict(block_id)
+        self.ref_count[block_id] = 1
+        return block_id
+
+    def incref(self, block_id: int) -> None:
+        """One more table holds ``block_id`` (a fork, or a prefix-cache hit that revives a free block)."""
+        self._check_id(block_id)
+        if self.ref_count[block_id] == 0:
+            del self._free[block_id]
+        self.ref_count[block_id] += 1
+
+    def decref(self, block_id: int) -> None:
+        """One table fewer holds ``block_id``; at zero it joins the free queue's newest end."""
+        self._check_id(block_id)
+        if self.ref_count[block_id] == 0:
+            raise ValueError(f"block {block_id} is already free (freed twice?)")
+        self.ref_count[block_id] -= 1
+        if self.ref_count[block_id] == 0:
+            self._free[block_id] = None
+
+    free = decref  # the lesson 03 name, for code that only ever holds one reference
+
+    # ---- prefix cache ----------------------------------------------------------------------------
+    def cache(self, block_id: int, h: int, tokens) -> None:
+        """Register a full, computed block under hash ``h`` (no-op when caching is off or already known)."""
+        if not self.enable_caching or h in self.block_of or block_id in self.hash_of:
+            return
+        self.block_of[h] = block_id
+        self.hash_of[block_id] = h
+        self.tokens_of[block_id] = tuple(int(t) for t in tokens)
+
+    def lookup(self, h: int, tokens) -> int | None:
+        """The cached block for ``h`` if its tokens really are ``tokens``; None otherwise."""
+        if not self.enable_caching:
+            return None
+        self.lookups += 1
+        block_id = self.block_of.get(h)
+        if block_id is None or self.tokens_of[block_id] != tuple(int(t) for t in tokens):
+            return None
+        self.hits += 1
+        return block_id
+
+    def _evict(self, block_id: int) -> None:
+        h = self.hash_of.pop(block_id, None)
+        if h is not None:
+            del self.block_of[h]
+            del self.tokens_of[block_id]
+            self.evictions += 1
+
+    def _check_id(self, block_id: int) -> None:
+        if not isinstance(block_id, int) or isinstance(block_id, bool):
+            raise TypeError(f"a block id is an int, got {type(block_id).__name__}")
+        if not 0 <= block_id < self.num_blocks:
+            raise ValueError(
+                f"block id {block_id} is out of range: this cache has {self.num_blocks} blocks (0..{self.num_blocks - 1})"
+            )

@@ -1,0 +1,223 @@
+"""Lesson 05: sharing blocks between sequences - fork, copy-on-write, and a prefix cache.
+
+:class:`SharingBlockManager` is lesson 03's block manager on a :class:`~lesson_utils.block_pool.BlockPool`:
+
+* :meth:`~SharingBlockManager.fork` gives a child sequence its parent's block table and bumps the counts:
+  no block is allocated or copied (parallel sampling, beam search).
+* Before a sequence writes into a block that other tables also hold, the block is copied to a fresh one
+  and only the writer's table is repointed (**copy-on-write**); the copy itself is done by the cache on its
+  tensors (:meth:`~SharingBlockManager.pop_copies`).
+* With prefix caching on, admitting a sequence first looks its prompt up block by block (chained hashes,
+  tokens verified) and starts it with the hits already computed (``seq.kv_len``). The last prompt token is
+  always recomputed - its logits are needed to sample the first output token - so at most
+  ``(len(prompt) - 1) // block_size`` blocks can hit. Blocks are registered once they are full and computed.
+
+Invariants: every block's reference count equals the number of tables that hold it; a block is free exactly
+when its count is 0; no block is lost; a cached block's tokens are the ones its hash was computed from.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from .block_allocator import OutOfBlocks
+from .block_manager import BlockManager
+from .block_pool import NO_PARENT, BlockPool, block_hash
+from .block_table import BlockTable, blocks_needed
+from .scheduler import Sequence
+
+
+def fork_table(parent: BlockTable, pool: BlockPool) -> BlockTable:
+    """The child's table: the parent's blocks, shared (each count + 1). Reference for exercise 05-1."""
+    for b in parent.blocks:
+        pool.incref(b)
+    return BlockTable(parent.block_size, list(parent.blocks), parent.num_tokens)
+
+
+def copy_on_write(table: BlockTable, index: int, pool: BlockPool) -> tuple[int, int] | None:
+    """Make ``table.blocks[index]`` exclusive before a write. Reference for exercise 05-2.
+
+    If other tables hold the block too, allocate a fresh block, drop this table's reference to the old one,
+    repoint only this table, and return ``(old, new)`` - the copy the cache must make. Otherwise None.
+    """
+    old = table.blocks[index]
+    if pool.ref_count[old] == 1:
+        return None
+    new = pool.allocate()
+    pool.decref(old)
+    table.blocks[index] = new
+    return old, new
+
+
+def prefix_hits(pool: BlockPool, tokens: list[int], block_size: int, hash_fn: Callable = block_hash) -> list[int]:
+    """Cached blocks that hold the longest prefix of ``tokens`` (whole blocks, leaving the last token out).
+
+    Reference for exercise 05-3: walk the full blocks in order, chaining each block's hash to its
+    parent's, and stop at the first miss.
+    """
+    hits, parent = [], NO_PARENT
+    for i in range((len(tokens) - 1) // block_size):
+        chunk = tokens[i * block_size : (i + 1) * block_size]
+        parent = hash_fn(parent, chunk)
+        block_id = pool.lookup(parent, chunk)
+        if block_id is None:
+            break
+        hits.append(block_id)
+    return hits
+
+
+class SharingBlockManager(BlockManager):
+    name = "PagedAttention + sharing"
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int = 16,
+        *,
+        enable_prefix_caching: bool = True,
+        watermark: float = 0.01,
+        max_seq_len: int | None = None,
+        fork_fn: Callable = fork_table,
+        cow_fn: Callable = copy_on_write,
+        hash_fn: Callable = block_hash,
+    ):
+        pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching)
+        super().__init__(num_blocks, block_size, watermark=watermark, max_seq_len=max_seq_len, allocator=pool)
+        self.pool = pool
+        self._fork, self._cow, self._hash = fork_fn, cow_fn, hash_fn
+        self._copies: list[tuple[int, int]] = []
+        self._hashes: dict[int, list[int]] = {}  # seq_id -> chained hashes of its registered full blocks
+        self.num_cow = 0
+        self.prompt_tokens = 0
+        self.cached_prompt_tokens = 0
+
+    # ---- sharing --------------------------------------------------------------------------------
+    def fork(self, parent_id: int, child_id: int) -> None:
+        if child_id in self.tables:
+            raise ValueError(f"sequence {child_id} already holds blocks")
+        if parent_id not in self.tables:
+            raise ValueError(f"cannot fork sequence {parent_id}: it holds no blocks")
+        self.tables[child_id] = self._fork(self.tables[parent_id], self.pool)
+        self._hashes[child_id] = list(self._hashes.get(parent_id, []))
+
+    def make_writable(self, seq_id: int, start: int, end: int) -> None:
+        """Copy-on-write every shared block that positions ``start .. end-1`` will be written into."""
+        table = self.tables[seq_id]
+        first, last = start // self.block_size, min(len(table.blocks), blocks_needed(end, self.block_size)) - 1
+        for index in range(first, last + 1):
+            copy = self._cow(table, index, self.pool)
+            if copy is not None:
+                self._copies.append(copy)
+                self.num_cow += 1
+
+    def pop_copies(self) -> list[tuple[int, int]]:
+        """Block copies ``(src, dst)`` that must happen on the cache tensors before this step's writes."""
+        copies, self._copies = self._copies, []
+        return copies
+
+    # ---- the scheduler's interface (prefix cache, copy-on-write) ------------------------------------
+    def _cows_needed(self, table: BlockTable, start: int, end: int) -> int:
+        first, last = start // self.block_size, min(len(table.blocks), blocks_needed(end, self.block_size)) - 1
+        return sum(1 for i in range(max(first, 0), last + 1) if self.pool.ref_count[table.blocks[i]] > 1)
+
+    def can_allocate(self, seq: Sequence) -> bool:
+        tokens = seq.token_ids
+        hits = self._peek_hits(tokens) if tokens else []
+        revived = sum(1 for b in hits if self.pool.ref_count[b] == 0)
+        need = blocks_needed(seq.len, self.block_size) - len(hits) + revived
+        if self.pool.num_used == 0:
+            return need <= self.num_blocks
+        return need + self.watermark_blocks <= self.pool.num_free
+
+    def _peek_hits(self, tokens: list[int]) -> list[int]:
+        saved = (self.pool.hits, self.pool.lookups)
+        hits = prefix_hits(self.pool, tokens, self.block_size, self._hash)
+        self.pool.hits, self.pool.lookups = saved  # a peek is not a lookup
+        return hits
+
+    def allocate(self, seq: Sequence) -> None:
+        if seq.seq_id in self.tables:
+            raise ValueError(f"sequence {seq.seq_id} already holds blocks")
+        tokens = seq.token_ids
+        hits = prefix_hits(self.pool, tokens, self.block_size, self._hash) if tokens else []
+        for b in hits:
+            self.pool.incref(b)
+        self.tables[seq.seq_id] = BlockTable(self.block_size, list(hits), len(hits) * self.block_size)
+        self._hashes[seq.seq_id] = [self.pool.hash_of[b] for b in hits]
+        try:
+            self.ensure_capacity(seq.seq_id, seq.len)
+        except OutOfBlocks:
+            self.free_seq(seq.seq_id)
+            raise
+        seq.kv_len = len(hits) * self.block_size
+        self.prompt_tokens += seq.len
+        self.cached_prompt_tokens += seq.kv_len
+
+    def append_slot(self, seq: Sequence) -> None:
+        """Room for the next token, and the block of the token written next step made exclusive."""
+        table = self.tables[seq.seq_id]
+        extra = blocks_needed(seq.len + 1, self.block_size) - len(table.blocks)
+        cows = self._cows_needed(table, seq.len - 1, seq.len + 1)
+        if extra + cows > self.pool.num_free:
+            raise OutOfBlocks(f"sequence {seq.seq_id} needs {extra + cows} block(s); {self.pool.num_free} are free")
+        self.ensure_capacity(seq.seq_id, seq.len + 1)
+        self.make_writable(seq.seq_id, seq.len - 1, seq.len + 1)
+
+    def cache_computed(self, seq: Sequence) -> None:
+        """Register the sequence's full blocks whose K/V are computed (``seq.kv_len``) and tokens known."""
+        if not self.pool.enable_caching:
+            return
+        table, hashes = self.tables.get(seq.seq_id), self._hashes.setdefault(seq.seq_id, [])
+        if table is None:
+            return
+        tokens = seq.token_ids
+        full = min(seq.kv_len, len(tokens), table.num_tokens) // self.block_size
+        for i in range(len(hashes), full):
+            chunk = tokens[i * self.block_size : (i + 1) * self.block_size]
+            h = self._hash(hashes[-1] if hashes else NO_PARENT, chunk)
+            hashes.append(h)
+            self.pool.cache(table.blocks[i], h, chunk)
+
+    def free_seq(self, seq_id: int) -> None:
+        table = self.tables.pop(seq_id, None)
+        if table is None:
+            raise ValueError(f"sequence {seq_id} holds no blocks (already freed, or never admitted)")
+        self._hashes.pop(seq_id, None)
+        for block_id in reversed(table.blocks):  # tail blocks first: they are evicted first
+            self.pool.decref(block_id)
+
+    # ---- accounting -----------------------------------------------------------------------------
+    def sharing(self) -> tuple[int, int]:
+        """(blocks the tables would hold without sharing, distinct blocks they hold)."""
+        logical = sum(len(t.blocks) for t in self.tables.values())
+        physical = len({b for t in self.tables.values() for b in t.blocks})
+        return logical, physical
+
+    def breakdown(self) -> dict[str, int]:
+        held = {b for t in self.tables.values() for b in t.blocks}
+        # a shared block counts once; its filled slots are the largest fill any holder reports
+        fill: dict[int, int] = {}
+        for t in self.tables.values():
+            for i, b in enumerate(t.blocks):
+                fill[b] = max(fill.get(b, 0), min(self.block_size, t.num_tokens - i * self.block_size))
+        tokens = sum(fill.values())
+        return {
+            "token states": tokens,
+            "reserved": 0,
+            "internal fragmentation": len(held) * self.block_size - tokens,
+            "free": self.pool.num_free * self.block_size,
+        }
+
+    def check_invariants(self) -> None:
+        counts: dict[int, int] = {}
+        for t in self.tables.values():
+            for b in t.blocks:
+                counts[b] = counts.get(b, 0) + 1
+        for b in range(self.num_blocks):
+            assert self.pool.ref_count[b] == counts.get(b, 0), f"block {b}: count {self.pool.ref_count[b]}, held by {counts.get(b, 0)} tables"
+            assert (self.pool.ref_count[b] == 0) == self.pool.is_free(b), f"block {b} is both free and held"
+        assert len(counts) + self.pool.num_free == self.num_blocks, "a block was lost"
+        for sid, t in self.tables.items():
+            assert len(t.blocks) == blocks_needed(t.num_tokens, self.block_size), f"sequence {sid} holds the wrong number of blocks"
+        for b, h in self.pool.hash_of.items():
+            assert self.pool.block_of[h] == b, f"block {b}'s hash maps elsewhere"
