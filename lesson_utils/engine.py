@@ -157,7 +157,7 @@ class Engine:
         preempted = sch.reserve_next_slots()
         if not sch.running and sch.waiting:
             raise RuntimeError("the head request cannot be admitted even into an empty cache")
-        prefill = sum(len(s.token_ids) - s.kv_len for s in sch.running if len(s.token_ids) - s.kv_len > 1)
+        prefill = sum(len(s.token_ids) - s.kv_len for s in sch.running if s.admitted_step == self._step)
         self.runner.execute(sch.running, self._step)
         cache_computed = getattr(self.manager, "cache_computed", None)
         for seq in list(sch.running):
