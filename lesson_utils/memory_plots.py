@@ -75,11 +75,14 @@ REQUEST_COLORS = ["#1565c0", "#e64a19", "#2e7d32", "#6a1b9a", "#f9a825", "#00838
 
 def block_snapshot(manager, label: str = "") -> dict:
     """What :func:`draw_block_tables` needs from a BlockManager, copied (so later steps don't change it)."""
+    pool = getattr(manager, "pool", None)
     return {
         "label": label,
         "num_blocks": manager.num_blocks,
         "block_size": manager.block_size,
         "tables": {sid: (list(t.blocks), t.num_tokens) for sid, t in manager.tables.items()},
+        "ref_counts": list(pool.ref_count) if pool is not None else None,
+        "cached": set(pool.hash_of) if pool is not None else set(),
     }
 
 
@@ -109,10 +112,18 @@ def draw_block_tables(ax_logical, ax_physical, snap: dict, names: dict | None = 
     for b in range(nb):
         x, y = b % per_row, -(b // per_row)
         color, fill, _ = owners.get(b, ("#cfd8dc", 0.0, ""))
-        ax_physical.add_patch(Rectangle((x, y - 0.9), 0.95, 0.8, facecolor="white", edgecolor="#90a4ae"))
-        ax_physical.add_patch(Rectangle((x, y - 0.9), 0.95 * fill, 0.8, facecolor=color, alpha=0.8))
-        ax_physical.text(x + 0.47, y - 0.5, str(b), ha="center", va="center", fontsize=7)
+        refs = snap.get("ref_counts")
+        shared = refs is not None and refs[b] > 1
+        ax_physical.add_patch(Rectangle((x, y - 0.9), 0.95, 0.8, facecolor="white",
+                                        edgecolor="black" if shared else "#90a4ae", lw=2 if shared else 1))
+        ax_physical.add_patch(Rectangle((x, y - 0.9), 0.95 * fill, 0.8, facecolor=color, alpha=0.8,
+                                        hatch="///" if shared else None))
+        text = str(b) if refs is None or refs[b] == 0 else f"{b}\n×{refs[b]}"
+        if refs is not None and refs[b] == 0 and b in snap.get("cached", ()):
+            text = f"{b}\ncached"
+        ax_physical.text(x + 0.47, y - 0.5, text, ha="center", va="center", fontsize=7)
     ax_physical.set_xlim(-0.2, per_row + 0.2)
     ax_physical.set_ylim(-(nb + per_row - 1) // per_row - 0.2, 0.2)
-    ax_physical.set_title(f"physical blocks ({bs} slots each; shading = slots holding tokens)")
+    extra = "; ×n = reference count, hatched = shared" if snap.get("ref_counts") is not None else ""
+    ax_physical.set_title(f"physical blocks ({bs} slots each; shading = slots holding tokens{extra})")
     ax_physical.axis("off")

@@ -80,11 +80,12 @@ class SharingBlockManager(BlockManager):
         fork_fn: Callable = fork_table,
         cow_fn: Callable = copy_on_write,
         hash_fn: Callable = block_hash,
+        prefix_fn: Callable = prefix_hits,
     ):
         pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching)
         super().__init__(num_blocks, block_size, watermark=watermark, max_seq_len=max_seq_len, allocator=pool)
         self.pool = pool
-        self._fork, self._cow, self._hash = fork_fn, cow_fn, hash_fn
+        self._fork, self._cow, self._hash, self._prefix = fork_fn, cow_fn, hash_fn, prefix_fn
         self._copies: list[tuple[int, int]] = []
         self._hashes: dict[int, list[int]] = {}  # seq_id -> chained hashes of its registered full blocks
         self.num_cow = 0
@@ -131,7 +132,7 @@ class SharingBlockManager(BlockManager):
 
     def _peek_hits(self, tokens: list[int]) -> list[int]:
         saved = (self.pool.hits, self.pool.lookups)
-        hits = prefix_hits(self.pool, tokens, self.block_size, self._hash)
+        hits = self._prefix(self.pool, tokens, self.block_size, self._hash)
         self.pool.hits, self.pool.lookups = saved  # a peek is not a lookup
         return hits
 
@@ -139,7 +140,7 @@ class SharingBlockManager(BlockManager):
         if seq.seq_id in self.tables:
             raise ValueError(f"sequence {seq.seq_id} already holds blocks")
         tokens = seq.token_ids
-        hits = prefix_hits(self.pool, tokens, self.block_size, self._hash) if tokens else []
+        hits = self._prefix(self.pool, tokens, self.block_size, self._hash) if tokens else []
         for b in hits:
             self.pool.incref(b)
         self.tables[seq.seq_id] = BlockTable(self.block_size, list(hits), len(hits) * self.block_size)

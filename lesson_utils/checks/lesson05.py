@@ -1,0 +1,137 @@
+"""Checkers for lesson 05 (prefix sharing)."""
+
+from __future__ import annotations
+
+from .. import sharing
+from ..block_pool import NO_PARENT, BlockPool, block_hash
+from ..block_table import BlockTable
+from .core import CheckResult, failed, not_implemented, passed
+
+
+def _pool_with(tables_blocks: list[list[int]], num_blocks: int = 12) -> tuple[BlockPool, list[BlockTable]]:
+    pool = BlockPool(num_blocks)
+    tables = []
+    for blocks in tables_blocks:
+        for b in blocks:
+            if pool.ref_count[b] == 0:
+                del pool._free[b]
+            pool.ref_count[b] += 1
+        tables.append(BlockTable(4, list(blocks), 4 * len(blocks) - 1))
+    return pool, tables
+
+
+def check_fork_table(fn) -> CheckResult:
+    """Exercise 05-1: fork = share the parent's blocks, bump their counts, allocate nothing."""
+    name = "fork_table"
+    for blocks in ([3, 7, 1], [5], [2, 3, 9, 0]):
+        pool, (parent,) = _pool_with([blocks])
+        before_counts, before_free = list(pool.ref_count), pool.num_free
+        try:
+            child = fn(parent, pool)
+        except NotImplementedError:
+            return not_implemented(name, sharing.fork_table)
+        except Exception as err:  # noqa: BLE001
+            return failed(name, f"forking a table with blocks {blocks} raised {type(err).__name__}: {err}", sharing.fork_table)
+        if not isinstance(child, BlockTable):
+            return failed(name, f"return a BlockTable for the child, got {type(child).__name__}", sharing.fork_table)
+        if pool.num_free != before_free:
+            return failed(name, f"forking allocated {before_free - pool.num_free} block(s): a fork shares the parent's blocks, it never allocates", sharing.fork_table)
+        if child.blocks != blocks or child.num_tokens != parent.num_tokens:
+            return failed(name, f"the child's table is {child.blocks} with {child.num_tokens} tokens; expected the parent's {blocks} with {parent.num_tokens}", sharing.fork_table)
+        if child.blocks is parent.blocks:
+            return failed(name, "the child's block list IS the parent's list object: when one grows, the other would too. Copy the list (the blocks stay shared).", sharing.fork_table)
+        for b in set(blocks):
+            want = before_counts[b] + blocks.count(b)
+            if pool.ref_count[b] != want:
+                return failed(name, f"block {b}'s reference count is {pool.ref_count[b]} after the fork; expected {want} (one more holder: the child). Did you forget pool.incref?", sharing.fork_table)
+    return passed(name, "the child shares every block, counts went up by one, nothing was allocated.", fn)
+
+
+def check_copy_on_write(fn) -> CheckResult:
+    """Exercise 05-2: copy a shared block before writing, repoint only the writer."""
+    name = "copy_on_write"
+    # exclusive block: nothing to do
+    pool, (t,) = _pool_with([[4, 6]])
+    try:
+        got = fn(t, 1, pool)
+    except NotImplementedError:
+        return not_implemented(name, sharing.copy_on_write)
+    except Exception as err:  # noqa: BLE001
+        return failed(name, f"on an exclusive block your code raised {type(err).__name__}: {err}", sharing.copy_on_write)
+    if got is not None or t.blocks != [4, 6] or pool.num_free != 10:
+        return failed(name, f"block 6 is held by this table only (count 1): nothing should change, but you returned {got!r} and the table is {t.blocks}, {12 - pool.num_free} blocks held (expected 2)", sharing.copy_on_write)
+    # shared block: copy, repoint the writer only
+    pool, (writer, other) = _pool_with([[4, 6], [4, 6]])
+    got = fn(writer, 1, pool)
+    if not (isinstance(got, tuple) and len(got) == 2 and got[0] == 6):
+        return failed(name, f"block 6 is shared by two tables: expected (6, new_block) - the copy the cache must make - but got {got!r}", sharing.copy_on_write)
+    new = got[1]
+    if writer.blocks[1] != new:
+        return failed(name, f"you copied block 6 to block {new} but the writer's table still says {writer.blocks}: repoint writer.blocks[1] to the copy", sharing.copy_on_write)
+    if other.blocks != [4, 6]:
+        return failed(name, f"the other sequence's table changed to {other.blocks}: only the writer is repointed", sharing.copy_on_write)
+    if pool.ref_count[6] != 1:
+        return failed(name, f"block 6 has count {pool.ref_count[6]} after the copy; expected 1 (the writer let go of it: pool.decref)", sharing.copy_on_write)
+    if pool.ref_count[new] != 1:
+        return failed(name, f"the new block {new} has count {pool.ref_count[new]}; expected 1 (allocate it from the pool)", sharing.copy_on_write)
+    if pool.ref_count[4] != 2:
+        return failed(name, f"block 4 was not written and must stay shared (count 2), but has count {pool.ref_count[4]}", sharing.copy_on_write)
+    return passed(name, "exclusive blocks are left alone; a shared block is copied and only the writer repointed.", fn)
+
+
+def _cached_pool(block_size: int = 2):
+    """A pool holding cached prefixes [1,2 | 3,4 | 5,6] and [3,4 | 9,9] (the second's first block looks like
+    the first's second block, but its parent differs)."""
+    pool = BlockPool(16)
+    ids = {}
+    for name, chunks in (("a", [[1, 2], [3, 4], [5, 6]]), ("b", [[3, 4], [9, 9]])):
+        parent = NO_PARENT
+        for i, chunk in enumerate(chunks):
+            b = pool.allocate()
+            parent = block_hash(parent, chunk)
+            pool.cache(b, parent, chunk)
+            ids[name, i] = b
+    for b in range(16):
+        if pool.ref_count[b]:
+            pool.decref(b)  # freed but still cached
+    return pool, ids
+
+
+def check_prefix_hits(fn) -> CheckResult:
+    """Exercise 05-3: chained block hashes and the prefix lookup."""
+    name = "prefix_hits"
+    cases = []
+    pool, ids = _cached_pool()
+    cases.append(("a cached prompt plus one new token", pool, [1, 2, 3, 4, 5, 6, 7], [ids["a", 0], ids["a", 1], ids["a", 2]]))
+    pool, ids = _cached_pool()
+    cases.append(("a prompt that is exactly the cached blocks: the last token must be recomputed", pool, [1, 2, 3, 4], [ids["a", 0]]))
+    pool, ids = _cached_pool()
+    cases.append(("[3, 4] then [5, 6]: [5, 6] is cached only after [1, 2 | 3, 4], a different prefix", pool, [3, 4, 5, 6, 0], [ids["b", 0]]))
+    pool, ids = _cached_pool()
+    cases.append(("[1, 2 | 9, 9 ...]: the second block is new; stop at the first miss", pool, [1, 2, 9, 9, 5, 6, 0], [ids["a", 0]]))
+    pool, ids = _cached_pool()
+    pool.tokens_of[ids["a", 1]] = (7, 7)  # a hash collision stand-in: same hash, other tokens
+    cases.append(("a hash whose block holds other tokens (a collision)", pool, [1, 2, 3, 4, 5, 6, 0], [ids["a", 0]]))
+    for what, pool, tokens, want in cases:
+        try:
+            got = fn(pool, tokens, 2, block_hash)
+        except NotImplementedError:
+            return not_implemented(name, sharing.prefix_hits)
+        except Exception as err:  # noqa: BLE001
+            return failed(name, f"case '{what}': your code raised {type(err).__name__}: {err}", sharing.prefix_hits)
+        if list(got) != want:
+            got = list(got)
+            if got[: len(want)] == want and len(got) == len(want) + 1 and len(tokens) % 2 == 0:
+                hint = "the block holding the last prompt token must not hit: its logits are needed (the last token must be recomputed)"
+            elif any(b not in want for b in got):
+                hint = ("a hit belongs to a different prefix or holds other tokens: chain each block's hash with its "
+                        "parent's, let pool.lookup check the tokens, and stop at the first miss")
+            else:
+                hint = "keep walking block by block while the lookups hit"
+            return failed(
+                name,
+                f"case '{what}' (block size 2, prompt {tokens})\n    expected blocks: {want}\n    got blocks:      {got}"
+                f"\n    hint: {hint}",
+                sharing.prefix_hits,
+            )
+    return passed(name, f"all {len(cases)} lookups hit exactly the right cached blocks.", fn)

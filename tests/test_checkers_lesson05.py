@@ -1,0 +1,110 @@
+"""Lesson 05's checkers reject plausible wrong implementations (forgetting to bump a count, aliasing the
+parent's list, copying without repointing, hashing a block without its parent, ...) with a precise message."""
+
+from __future__ import annotations
+
+import pytest
+
+from lesson_utils import sharing
+from lesson_utils.block_pool import NO_PARENT
+from lesson_utils.block_table import BlockTable
+from lesson_utils.checks import lesson05
+
+
+@pytest.fixture(autouse=True)
+def not_strict(monkeypatch):
+    monkeypatch.delenv("COURSE_STRICT", raising=False)
+
+
+def rejected(result, *needles):
+    assert not result.passed and result.implemented, result.message
+    for n in needles:
+        assert n in result.message, f"{n!r} not in:\n{result.message}"
+    return True
+
+
+def test_references_pass():
+    assert lesson05.check_fork_table(sharing.fork_table).passed
+    assert lesson05.check_copy_on_write(sharing.copy_on_write).passed
+    assert lesson05.check_prefix_hits(sharing.prefix_hits).passed
+
+
+def test_fork_mistakes():
+    def no_incref(parent, pool):
+        return BlockTable(parent.block_size, list(parent.blocks), parent.num_tokens)
+
+    def aliased(parent, pool):
+        for b in parent.blocks:
+            pool.incref(b)
+        return BlockTable(parent.block_size, parent.blocks, parent.num_tokens)
+
+    def copies(parent, pool):
+        return BlockTable(parent.block_size, [pool.allocate() for _ in parent.blocks], parent.num_tokens)
+
+    assert rejected(lesson05.check_fork_table(no_incref), "forget pool.incref")
+    assert rejected(lesson05.check_fork_table(aliased), "list object")
+    assert rejected(lesson05.check_fork_table(copies), "never allocates")
+
+
+def test_copy_on_write_mistakes():
+    def no_repoint(table, i, pool):
+        old = table.blocks[i]
+        if pool.ref_count[old] == 1:
+            return None
+        new = pool.allocate()
+        pool.decref(old)
+        return old, new
+
+    def no_decref(table, i, pool):
+        old = table.blocks[i]
+        if pool.ref_count[old] == 1:
+            return None
+        table.blocks[i] = pool.allocate()
+        return old, table.blocks[i]
+
+    def always_copies(table, i, pool):
+        old = table.blocks[i]
+        table.blocks[i] = pool.allocate()
+        pool.decref(old)
+        return old, table.blocks[i]
+
+    assert rejected(lesson05.check_copy_on_write(no_repoint), "still says", "repoint")
+    assert rejected(lesson05.check_copy_on_write(no_decref), "pool.decref")
+    assert rejected(lesson05.check_copy_on_write(always_copies), "nothing should change")
+
+
+def test_prefix_hits_mistakes():
+    def no_parent(pool, tokens, bs, hash_fn):
+        hits = []
+        for i in range((len(tokens) - 1) // bs):
+            chunk = tokens[i * bs:(i + 1) * bs]
+            b = pool.lookup(hash_fn(NO_PARENT, chunk), chunk)
+            if b is None:
+                break
+            hits.append(b)
+        return hits
+
+    def includes_last_token(pool, tokens, bs, hash_fn):
+        hits, parent = [], NO_PARENT
+        for i in range(len(tokens) // bs):
+            chunk = tokens[i * bs:(i + 1) * bs]
+            parent = hash_fn(parent, chunk)
+            b = pool.lookup(parent, chunk)
+            if b is None:
+                break
+            hits.append(b)
+        return hits
+
+    def does_not_stop(pool, tokens, bs, hash_fn):
+        hits, parent = [], NO_PARENT
+        for i in range((len(tokens) - 1) // bs):
+            chunk = tokens[i * bs:(i + 1) * bs]
+            parent = hash_fn(parent, chunk)
+            b = pool.block_of.get(parent)  # no token check either
+            if b is not None:
+                hits.append(b)
+        return hits
+
+    assert rejected(lesson05.check_prefix_hits(no_parent), "different prefix", "chain each block's hash")
+    assert rejected(lesson05.check_prefix_hits(includes_last_token), "last token must be recomputed")
+    assert rejected(lesson05.check_prefix_hits(does_not_stop), "expected blocks")
