@@ -211,3 +211,28 @@ def describe(requests: list[Request]) -> dict[str, float]:
         "output_p90": float(np.percentile(o, 90)),
         "arrival_span_s": float(span),
     }
+
+
+def multi_prefix_stream(
+    n: int,
+    num_prefixes: int,
+    prefix_len: int,
+    rate_per_s: float = float("inf"),
+    seed: int = 0,
+    zipf_s: float = 1.1,
+    profile: LengthProfile = ALPACA,
+    vocab_size: int = 50272,
+) -> list[Request]:
+    """Requests that each start with one of ``num_prefixes`` shared prefixes (system prompts, documents),
+    chosen with Zipf popularity (prefix ``k`` with weight ``1 / (k + 1) ** zipf_s``); user parts are random."""
+    if num_prefixes < 1 or prefix_len < 1:
+        raise ValueError("need at least one prefix of at least one token")
+    rng = np.random.default_rng(seed + 4)
+    prefixes = [rng.integers(4, vocab_size, prefix_len).tolist() for _ in range(num_prefixes)]
+    weights = 1.0 / (np.arange(num_prefixes) + 1) ** zipf_s
+    choice = rng.choice(num_prefixes, size=n, p=weights / weights.sum())
+    out = []
+    for r, k in zip(synthetic_stream(profile, n, rate_per_s, seed), choice):
+        ids = prefixes[k] + rng.integers(4, vocab_size, r.prompt_len).tolist()
+        out.append(replace(r, prompt_len=len(ids), prompt_ids=ids, shared_prefix_len=prefix_len, tags={"prefix": int(k)}))
+    return out
