@@ -86,10 +86,19 @@ class Engine:
     cache: object  # a PagedKVCache (lesson 03); anything with a ``manager`` implementing MemoryManager
     max_num_seqs: int | None = None
     stop_at_eos: bool = True
+    preemption_mode: str = "recompute"  # lesson 06: or "swap"
+    swap_space: object = None  # a lesson_utils.swap.SwapSpace, for preemption_mode="swap"
+    max_num_batched_tokens: int | None = None
+    scheduler_kw: dict = field(default_factory=dict)  # e.g. a learner's choose_victim / reset
     stats: list[StepStats] = field(default_factory=list)
 
     def __post_init__(self):
-        self.scheduler = FCFSScheduler(self.cache.manager, max_num_seqs=self.max_num_seqs)
+        if self.swap_space is not None and not self.swap_space.k:
+            self.swap_space.attach_tensors(self.cache.k_cache)
+        self.scheduler = FCFSScheduler(
+            self.cache.manager, max_num_seqs=self.max_num_seqs, preemption_mode=self.preemption_mode,
+            swap_space=self.swap_space, max_num_batched_tokens=self.max_num_batched_tokens, **self.scheduler_kw,
+        )
         self.runner = ModelRunner(self.w, self.cache)
         self._next_id = 0
         self._step = 0
@@ -155,7 +164,10 @@ class Engine:
         sch = self.scheduler
         sch.admit(self._step)
         preempted = sch.reserve_next_slots()
-        if not sch.running and sch.waiting:
+        if sch.swap_in_copies or sch.swap_out_copies:  # in before out: a CPU block read in may be reused for out
+            self.cache.swap_in(sch.swap_in_copies, self.swap_space)
+            self.cache.swap_out(sch.swap_out_copies, self.swap_space)
+        if not sch.running and (sch.waiting or sch.swapped):
             raise RuntimeError("the head request cannot be admitted even into an empty cache")
         prefill = sum(len(s.token_ids) - s.kv_len for s in sch.running if s.admitted_step == self._step)
         self.runner.execute(sch.running, self._step)

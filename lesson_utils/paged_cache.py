@@ -74,6 +74,26 @@ class PagedKVCache:
         batch.extra["slots"] = self._slot_mapping(batch, tables, self.block_size)
         batch.extra["block_tables"] = tables
 
+    def swap_out(self, copies: list[tuple[int, int]], space) -> None:
+        """Copy ``(gpu, cpu)`` blocks into the swap space's CPU tensors (lesson 06)."""
+        if not copies:
+            return
+        gpu = torch.tensor([g for g, _ in copies], device=self.k_cache[0].device)
+        cpu = torch.tensor([c for _, c in copies])
+        for layer, (kc, vc) in enumerate(zip(self.k_cache, self.v_cache)):
+            space.k[layer][cpu] = kc[gpu].to("cpu", non_blocking=False)
+            space.v[layer][cpu] = vc[gpu].to("cpu", non_blocking=False)
+
+    def swap_in(self, copies: list[tuple[int, int]], space) -> None:
+        """Copy ``(cpu, gpu)`` blocks back from the swap space (lesson 06)."""
+        if not copies:
+            return
+        cpu = torch.tensor([c for c, _ in copies])
+        gpu = torch.tensor([g for _, g in copies], device=self.k_cache[0].device)
+        for layer, (kc, vc) in enumerate(zip(self.k_cache, self.v_cache)):
+            kc[gpu] = space.k[layer][cpu].to(kc.device)
+            vc[gpu] = space.v[layer][cpu].to(vc.device)
+
     def copy_block(self, src: int, dst: int) -> None:
         """Copy one block's K/V in every layer (copy-on-write's data movement)."""
         for kc, vc in zip(self.k_cache, self.v_cache):

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Callable, Protocol
 
 from .block_allocator import OutOfBlocks
 from .workloads import Request
@@ -94,36 +94,115 @@ class MemoryManager(Protocol):
         """Slots by kind: token states, reserved, internal fragmentation, free (sums to total_slots)."""
 
 
+def most_recently_admitted(running: list[Sequence]) -> Sequence:
+    """vLLM's victim: the running sequence admitted last (the latest arrival loses). Reference for exercise 06-2."""
+    return max(reversed(running), key=lambda s: -1 if s.admitted_step is None else s.admitted_step)
+
+
+def reset_for_recompute(seq: Sequence) -> None:
+    """Preempt by recompute: forget the cached K/V, keep every token (reference for exercise 06-3).
+
+    The prompt and the tokens generated so far are prefilled again when the sequence is readmitted; its
+    output so far, and how many tokens it has generated, do not change.
+    """
+    seq.kv_len = 0
+    seq.preemptions += 1
+
+
+@dataclass
+class PreemptionEvent:
+    step: int
+    seq_id: int
+    mode: str  # "swap" or "recompute"
+    note: str = ""
+
+
 class FCFSScheduler:
     """First come, first served, at iteration level (Orca's idea: a batch changes every step).
 
-    Each step admits waiting requests in arrival order while the memory manager says the head one fits,
-    then makes room for the token every running sequence is about to generate. A request that does not
-    fit blocks those behind it (no overtaking), which is what first-come-first-served means.
+    Each step: sequences swapped out to CPU come back first, in the order they left, while their blocks fit
+    (above the manager's watermark); only when none is left waiting in swap are new requests admitted, in
+    arrival order, while the memory manager says the head one fits and the step's token budget
+    (``max_num_batched_tokens``: prefill tokens plus one per decoding sequence) allows. A request that
+    does not fit blocks those behind it (no overtaking), which is what first-come-first-served means. Then
+    room is made for the token every running sequence is about to generate.
 
-    If a running sequence cannot grow because memory ran out (possible with paging, which reserves
-    nothing ahead), the most recently admitted sequence is preempted: its memory is freed and it goes
-    back to the front of the queue, keeping its tokens, to be prefilled again later ("recompute").
-    Lesson 06 studies preemption properly; here it only keeps the server from getting stuck.
+    If a running sequence cannot grow because memory ran out (paging reserves nothing ahead), a victim is
+    preempted - the most recently admitted sequence, as in vLLM - in one of two modes:
+
+    * ``"recompute"``: its blocks are freed; it goes back to the front of the queue keeping its tokens, to
+      be prefilled again later (with prefix-cache hits where lesson 05's cache is on);
+    * ``"swap"``: its blocks are copied to the CPU ``swap_space`` and freed on the GPU; it waits in the
+      swapped queue. If the swap space cannot hold it, it is recomputed instead and the event says so.
+
+    The copies the engine must make this step are in ``swap_in_copies`` and ``swap_out_copies``.
     """
 
-    def __init__(self, manager: MemoryManager, max_num_seqs: int | None = None):
+    def __init__(
+        self,
+        manager: MemoryManager,
+        max_num_seqs: int | None = None,
+        *,
+        preemption_mode: str = "recompute",
+        swap_space=None,
+        max_num_batched_tokens: int | None = None,
+        choose_victim: Callable = most_recently_admitted,
+        reset: Callable = reset_for_recompute,
+    ):
+        if preemption_mode not in ("recompute", "swap"):
+            raise ValueError(f"preemption_mode is 'recompute' or 'swap', got {preemption_mode!r}")
+        if preemption_mode == "swap" and swap_space is None:
+            raise ValueError("preemption_mode='swap' needs a swap_space (lesson_utils.swap.SwapSpace)")
+        if max_num_batched_tokens is not None and max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be positive, got {max_num_batched_tokens}")
         self.manager = manager
         self.max_num_seqs = max_num_seqs
+        self.preemption_mode = preemption_mode
+        self.swap_space = swap_space
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.choose_victim, self.reset = choose_victim, reset
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.swapped: deque[Sequence] = deque()
         self.finished: list[Sequence] = []
-        self.num_preemptions = 0
+        self.events: list[PreemptionEvent] = []
+        self.swap_in_copies: list[tuple[int, int]] = []
+        self.swap_out_copies: list[tuple[int, int]] = []
+        self._step = 0
+
+    @property
+    def num_preemptions(self) -> int:
+        return len(self.events)
 
     def add(self, seq: Sequence) -> None:
         self.manager.check_admissible(seq)
         self.waiting.append(seq)
 
+    def _room_for_another(self) -> bool:
+        return self.max_num_seqs is None or len(self.running) < self.max_num_seqs
+
     def admit(self, step: int) -> list[Sequence]:
-        """Move waiting sequences that fit into the running batch; returns the newly admitted."""
+        """Swap in, then admit what fits; returns the newly admitted (prefilling) sequences."""
+        self._step = step
+        self.swap_in_copies, self.swap_out_copies = [], []
+        moved: dict[int, int] = {}
+        watermark = getattr(self.manager, "watermark_blocks", 0)
+        while self.swapped and self._room_for_another():
+            seq = self.swapped[0]
+            if not self.swap_space.can_swap_in(self.manager, seq.seq_id, watermark if self.running else 0):
+                break
+            self.swap_in_copies += self.swap_space.swap_in(self.manager, seq.seq_id, moved)
+            self.swapped.popleft()
+            seq.admitted_step = step
+            self.running.append(seq)
+        if self.swapped:
+            return []  # swapped sequences come back before anyone new is admitted
         admitted = []
-        while self.waiting and (self.max_num_seqs is None or len(self.running) < self.max_num_seqs):
+        budget = None if self.max_num_batched_tokens is None else self.max_num_batched_tokens - len(self.running)
+        while self.waiting and self._room_for_another():
             seq = self.waiting[0]
+            if budget is not None and seq.len - seq.kv_len > budget and (admitted or self.running):
+                break  # over this step's token budget; it goes first next step
             if not self.manager.can_allocate(seq):
                 break
             self.manager.allocate(seq)
@@ -131,24 +210,44 @@ class FCFSScheduler:
             seq.admitted_step = step
             self.running.append(seq)
             admitted.append(seq)
+            if budget is not None:
+                budget -= seq.len - seq.kv_len
         return admitted
 
     def reserve_next_slots(self) -> list[Sequence]:
         """Room for one more token in every running sequence; returns the sequences preempted for it."""
         preempted, i = [], 0
+        moved: dict[int, int] = {}  # GPU -> CPU blocks of this step's swap-outs: shared blocks go once
         while i < len(self.running):
             try:
                 self.manager.append_slot(self.running[i])
                 i += 1
             except OutOfBlocks:
-                victim = self.running.pop()  # the most recently admitted
-                self.manager.free(victim)
-                victim.kv_len = 0
-                victim.preemptions += 1
-                self.num_preemptions += 1
-                self.waiting.appendleft(victim)
+                victim = self.choose_victim(self.running)
+                index = next(k for k, s in enumerate(self.running) if s is victim)
+                self.running.pop(index)
+                if index < i:
+                    i -= 1
+                self._preempt(victim, moved)
                 preempted.append(victim)
         return preempted
+
+    def _preempt(self, victim: Sequence, moved: dict[int, int]) -> None:
+        if self.preemption_mode == "swap":
+            if self.swap_space.can_swap_out(self.manager, victim.seq_id, moved):
+                self.swap_out_copies += self.swap_space.swap_out(self.manager, victim.seq_id, moved)
+                victim.preemptions += 1
+                self.swapped.append(victim)
+                self.events.append(PreemptionEvent(self._step, victim.seq_id, "swap"))
+                return
+            note = (f"swap space full ({self.swap_space.num_free} of {self.swap_space.num_blocks} CPU blocks free): "
+                    f"fell back to recompute")
+        else:
+            note = ""
+        self.manager.free(victim)
+        self.reset(victim)
+        self.waiting.appendleft(victim)
+        self.events.append(PreemptionEvent(self._step, victim.seq_id, "recompute", note))
 
     def retire_finished(self, step: int) -> list[Sequence]:
         """Free every running sequence that has generated all its tokens."""
@@ -163,4 +262,4 @@ class FCFSScheduler:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.swapped)

@@ -126,7 +126,7 @@ def simulate(
             scheduler.add(Sequence(pending[nxt]))
             nxt += 1
         scheduler.admit(step)
-        if not scheduler.running and scheduler.waiting:
+        if not scheduler.running and (scheduler.waiting or scheduler.swapped):
             raise RuntimeError(
                 "nothing is running and the head request still does not fit: the cache is too small "
                 "for it even when empty"
