@@ -2,3 +2,8 @@
 without CUDA) before anything imports triton - Triton fixes the mode when its own library is imported."""
 
 import lesson_utils.env  # noqa: F401
+
+import torch  # noqa: E402
+
+# pytest -n 2 runs two workers on two cores: one intra-op thread each avoids oversubscription.
+torch.set_num_threads(1)

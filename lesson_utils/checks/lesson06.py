@@ -1,0 +1,114 @@
+"""Checkers for lesson 06 (swapping and preemption)."""
+
+from __future__ import annotations
+
+import itertools
+
+from .. import scheduler as S
+from .. import swap
+from ..scheduler import Sequence
+from ..workloads import Request
+from .core import CheckResult, failed, not_implemented, passed
+
+
+def check_swap_mapping(fn) -> CheckResult:
+    """Exercise 06-1: destination blocks and copies for a swap, shared blocks copied once."""
+    name = "swap_mapping"
+    cases = [
+        ("one sequence", [[7, 2, 9]]),
+        ("two forked samples sharing their first two blocks", [[4, 5, 8], [4, 5, 11]]),
+        ("a block already moved by an earlier sequence of this swap", [[3], [3, 6]]),
+    ]
+    for what, tables in cases:
+        ref_counter, got_counter = itertools.count(100), itertools.count(100)
+        ref_already, got_already = {}, {}
+        for table in tables:
+            want = swap.swap_mapping(list(table), lambda: next(ref_counter), ref_already)
+            try:
+                got = fn(list(table), lambda: next(got_counter), got_already)
+            except NotImplementedError:
+                return not_implemented(name, swap.swap_mapping)
+            except Exception as err:  # noqa: BLE001
+                return failed(name, f"case '{what}', table {table}: your code raised {type(err).__name__}: {err}", swap.swap_mapping)
+            if not (isinstance(got, tuple) and len(got) == 2):
+                return failed(name, f"return (destination_blocks, copies), got {got!r}", swap.swap_mapping)
+            dst, copies = list(got[0]), list(got[1])
+            if dst != want[0] or copies != want[1]:
+                hint = ""
+                if len(copies) > len(want[1]):
+                    hint = "a block this swap already moved (it is in `already`) must not be copied again: reuse its destination"
+                elif len(copies) < len(want[1]):
+                    hint = "every newly allocated destination needs its copy (src, dst) recorded, or its K/V are lost"
+                elif any((d, s) in want[1] for s, d in copies):
+                    hint = "copies go (source block, destination block)"
+                return failed(
+                    name,
+                    f"case '{what}', table {table} (destinations are allocated as 100, 101, ...)\n"
+                    f"    expected: blocks {want[0]}, copies {want[1]}\n    got:      blocks {dst}, copies {copies}"
+                    + (f"\n    hint: {hint}" if hint else ""),
+                    swap.swap_mapping,
+                )
+            if got_already != ref_already:
+                return failed(name, f"case '{what}': after table {table}, `already` is {got_already}; expected {ref_already} (remember each move)", swap.swap_mapping)
+    return passed(name, "blocks map like the reference and shared blocks are copied once.", fn)
+
+
+def _seq(i, admitted, prompt=10):
+    return Sequence(Request(i, 0.0, prompt, 20), admitted_step=admitted, num_generated=i + 1)
+
+
+def check_choose_victim(fn) -> CheckResult:
+    """Exercise 06-2: the most recently admitted running sequence is preempted."""
+    name = "choose_victim"
+    cases = [
+        ("admitted in order", [_seq(0, 1), _seq(1, 2), _seq(2, 5)], 2),
+        ("the newest is not last in the list", [_seq(0, 3), _seq(1, 9), _seq(2, 4)], 1),
+        ("the longest sequence is the oldest", [_seq(0, 0, prompt=500), _seq(1, 7, prompt=3)], 1),
+        ("two admitted in the same step: the later in the batch", [_seq(0, 2), _seq(1, 6), _seq(2, 6)], 2),
+        ("a single running sequence", [_seq(0, 4)], 0),
+    ]
+    for what, running, want in cases:
+        try:
+            got = fn(list(running))
+        except NotImplementedError:
+            return not_implemented(name, S.most_recently_admitted)
+        except Exception as err:  # noqa: BLE001
+            return failed(name, f"case '{what}': your code raised {type(err).__name__}: {err}", S.most_recently_admitted)
+        if got is not running[want]:
+            desc = ", ".join(f"seq {s.seq_id} (admitted at step {s.admitted_step}, {s.len} tokens)" for s in running)
+            got_desc = f"seq {got.seq_id}" if isinstance(got, Sequence) else repr(got)
+            return failed(
+                name,
+                f"case '{what}': running = [{desc}]\n    expected: seq {running[want].seq_id}\n    got:      {got_desc}"
+                "\n    hint: the victim is the one admitted last (largest admitted_step; among equals, the later in the list)",
+                S.most_recently_admitted,
+            )
+    return passed(name, f"picks the most recently admitted sequence in all {len(cases)} cases.", fn)
+
+
+def check_reset_for_recompute(fn) -> CheckResult:
+    """Exercise 06-3: a preempted sequence forgets its cached K/V and keeps all its tokens."""
+    name = "reset_for_recompute"
+    seq = Sequence(Request(3, 0.0, 5, 20, prompt_ids=[2, 9, 9, 9, 9]), num_generated=4, output_ids=[7, 8, 9, 10],
+                   kv_len=8, admitted_step=2)
+    try:
+        fn(seq)
+    except NotImplementedError:
+        return not_implemented(name, S.reset_for_recompute)
+    except Exception as err:  # noqa: BLE001
+        return failed(name, f"your code raised {type(err).__name__}: {err}", S.reset_for_recompute)
+    problems = []
+    if seq.kv_len != 0:
+        problems.append(f"kv_len is {seq.kv_len}: nothing of this sequence is in the cache any more, so it must be 0 "
+                        "(the runner then prefills all its tokens again)")
+    if seq.output_ids != [7, 8, 9, 10] or seq.num_generated != 4:
+        problems.append(f"its output became {seq.output_ids} ({seq.num_generated} generated); recompute keeps every token "
+                        "generated so far - only their K/V are recomputed")
+    if seq.request.prompt_ids != [2, 9, 9, 9, 9]:
+        problems.append("the prompt changed")
+    if seq.preemptions != 1:
+        problems.append(f"preemptions is {seq.preemptions}; count this preemption (expected 1)")
+    if problems:
+        return failed(name, "after resetting a sequence with a 5-token prompt and 4 generated tokens (kv_len 8): "
+                      + "; ".join(problems), S.reset_for_recompute)
+    return passed(name, "the sequence keeps its tokens and will be prefilled again.", fn)

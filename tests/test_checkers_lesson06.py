@@ -1,0 +1,79 @@
+"""Lesson 06's checkers reject plausible wrong implementations with a precise message."""
+
+from __future__ import annotations
+
+import pytest
+
+from lesson_utils import scheduler as S
+from lesson_utils import swap
+from lesson_utils.checks import lesson06
+
+
+@pytest.fixture(autouse=True)
+def not_strict(monkeypatch):
+    monkeypatch.delenv("COURSE_STRICT", raising=False)
+
+
+def rejected(result, *needles):
+    assert not result.passed and result.implemented, result.message
+    for n in needles:
+        assert n in result.message, f"{n!r} not in:\n{result.message}"
+    return True
+
+
+def test_references_pass():
+    assert lesson06.check_swap_mapping(swap.swap_mapping).passed
+    assert lesson06.check_choose_victim(S.most_recently_admitted).passed
+    assert lesson06.check_reset_for_recompute(S.reset_for_recompute).passed
+
+
+def test_swap_mapping_mistakes():
+    def copies_shared_twice(src, allocate, already):
+        dst, copies = [], []
+        for s in src:
+            d = allocate()
+            already[s] = d
+            copies.append((s, d))
+            dst.append(d)
+        return dst, copies
+
+    def forgets_copies(src, allocate, already):
+        dst = []
+        for s in src:
+            if s not in already:
+                already[s] = allocate()
+            dst.append(already[s])
+        return dst, []
+
+    def reversed_copies(src, allocate, already):
+        dst, copies = swap.swap_mapping(src, allocate, already)
+        return dst, [(d, s) for s, d in copies]
+
+    assert rejected(lesson06.check_swap_mapping(copies_shared_twice), "must not be copied again")
+    assert rejected(lesson06.check_swap_mapping(forgets_copies), "needs its copy")
+    assert rejected(lesson06.check_swap_mapping(reversed_copies), "(source block, destination block)")
+
+
+def test_choose_victim_mistakes():
+    assert rejected(lesson06.check_choose_victim(lambda running: running[0]), "admitted last")
+    assert rejected(lesson06.check_choose_victim(lambda running: running[-1]), "the newest is not last")
+    assert rejected(lesson06.check_choose_victim(lambda running: max(running, key=lambda s: s.len)), "expected")
+    assert rejected(lesson06.check_choose_victim(lambda running: max(running, key=lambda s: s.admitted_step)), "same step")
+
+
+def test_reset_mistakes():
+    def clears_output(seq):
+        seq.kv_len = 0
+        seq.output_ids.clear()
+        seq.num_generated = 0
+        seq.preemptions += 1
+
+    def keeps_cache(seq):
+        seq.preemptions += 1
+
+    def no_count(seq):
+        seq.kv_len = 0
+
+    assert rejected(lesson06.check_reset_for_recompute(clears_output), "keeps every token")
+    assert rejected(lesson06.check_reset_for_recompute(keeps_cache), "must be 0")
+    assert rejected(lesson06.check_reset_for_recompute(no_count), "count this preemption")
