@@ -86,6 +86,9 @@ class BlockManager:
     def free(self, seq: Sequence) -> None:
         self.free_seq(seq.seq_id)
 
+    def cache_computed(self, seq: Sequence) -> None:
+        """Nothing to register: this manager has no prefix cache (lesson 05's has)."""
+
     # ---- used by the paged cache ----------------------------------------------------------------
     def ensure_capacity(self, seq_id: int, num_tokens: int) -> BlockTable:
         """Grow ``seq_id``'s table (created if new) until it holds ``num_tokens`` tokens.

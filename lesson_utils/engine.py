@@ -76,6 +76,19 @@ class StepStats:
     prefill_tokens: int
     preempted: int
     seconds: float = 0.0
+    kv_tokens: int = 0  # slots holding token states after the step
+    kv_slots: int = 0  # the whole KV budget, in slots
+    t: float = 0.0  # time.perf_counter() at the end of the step
+
+
+def default_step(scheduler, runner, manager, step: int) -> list[Sequence]:
+    """One engine iteration, piece by piece (lesson 07's exercise): admit, make room, run, register, retire."""
+    scheduler.admit(step)
+    scheduler.reserve_next_slots()
+    runner.execute(scheduler.running, step)
+    for seq in scheduler.running:
+        manager.cache_computed(seq)
+    return scheduler.retire_finished(step)
 
 
 @dataclass
@@ -90,6 +103,7 @@ class Engine:
     swap_space: object = None  # a lesson_utils.swap.SwapSpace, for preemption_mode="swap"
     max_num_batched_tokens: int | None = None
     scheduler_kw: dict = field(default_factory=dict)  # e.g. a learner's choose_victim / reset
+    step_fn: object = None  # lesson 07: a learner's version of default_step (no swapping, no forks)
     stats: list[StepStats] = field(default_factory=list)
 
     def __post_init__(self):
@@ -160,6 +174,8 @@ class Engine:
 
     def step(self) -> list[Sequence]:
         """One iteration: admit, make room, run the model, register computed blocks, retire."""
+        if self.step_fn is not None:
+            return self._custom_step()
         t0 = time.perf_counter()
         sch = self.scheduler
         sch.admit(self._step)
@@ -182,13 +198,33 @@ class Engine:
         for seq in sch.running + done:
             if seq.first_token_step == self._step and seq.first_token_s is None:
                 seq.first_token_s = now - seq.added_at
-        free = getattr(sch.manager, "allocator", None)
+        self._record(t0, now, done, prefill, len(preempted))
+        return done
+
+    def _record(self, t0: float, now: float, done: list[Sequence], prefill: int, preempted: int) -> None:
+        sch = self.scheduler
+        for seq in done:
+            seq.finished_s = now - seq.added_at
+        free = getattr(getattr(sch.manager, "allocator", None), "num_free", -1)
+        br = sch.manager.breakdown()
         self.stats.append(
-            StepStats(self._step, len(sch.running) + len(done), len(sch.waiting),
-                      free.num_free if free is not None else -1, prefill, len(preempted), now - t0)
+            StepStats(self._step, len(sch.running) + len(done), len(sch.waiting), free, prefill, preempted,
+                      now - t0, br["token states"], sum(br.values()), now)
         )
         self._step += 1
-        return done
+
+    def _custom_step(self) -> list[Sequence]:
+        t0 = time.perf_counter()
+        sch = self.scheduler
+        before = {id(s) for s in sch.running}
+        done = self.step_fn(sch, self.runner, self.manager, self._step)
+        now = time.perf_counter()
+        for seq in sch.running + list(done):
+            if seq.first_token_step == self._step and seq.first_token_s is None:
+                seq.first_token_s = now - seq.added_at
+        prefill = sum(s.len for s in sch.running if id(s) not in before)
+        self._record(t0, now, list(done), prefill, 0)
+        return list(done)
 
     def run(self, progress: bool = False, total: int | None = None) -> None:
         bar = None

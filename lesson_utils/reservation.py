@@ -119,6 +119,9 @@ class ContiguousReservationManager:
         self.allocator.free(self.start.pop(seq.seq_id))
         del self.reserved[seq.seq_id], self.seqs[seq.seq_id]
 
+    def cache_computed(self, seq: Sequence) -> None:
+        """Nothing to register: contiguous reservations have no prefix cache."""
+
     def breakdown(self) -> dict[str, int]:
         token = reserved = internal = 0
         for sid, seq in self.seqs.items():
@@ -140,3 +143,52 @@ class ContiguousReservationManager:
 
     def external_fragmentation(self) -> float:
         return external_fragmentation(self.allocator.holes)
+
+
+class ReservedKVCache:
+    """Lesson 01's contiguous arena as the engine's cache: reservations come from a
+    :class:`ContiguousReservationManager` (the scheduler's memory manager), so the naive server and the paged
+    one run through the same engine. Token ``p`` of a sequence lives in slot ``start + p``."""
+
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, manager: ContiguousReservationManager,
+                 *, dtype=None, device: str = "cpu"):
+        import torch
+
+        from .contiguous import slot_mapping
+
+        self.manager = manager
+        shape = (num_layers, manager.total_slots, num_kv_heads, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype or torch.float32, device=device)
+        self.v = torch.zeros_like(self.k)
+        self.k_cache = [self.k[i] for i in range(num_layers)]  # per-layer views (what a swap space would mirror)
+        self._slot_mapping = slot_mapping
+
+    @classmethod
+    def for_model(cls, w, manager: ContiguousReservationManager, **kw) -> "ReservedKVCache":
+        return cls(w.num_layers, w.num_heads, w.head_dim, manager, **kw)
+
+    def prepare(self, batch) -> None:
+        for sid, clen in zip(batch.seq_ids, batch.context_lens):
+            if clen > self.manager.reserved[sid]:
+                raise NeverFits(f"sequence {sid} needs {clen} slots but reserved {self.manager.reserved[sid]}")
+        batch.extra["slots"] = self._slot_mapping(batch, [self.manager.start[s] for s in batch.seq_ids])
+
+    def write(self, layer, batch, k, v):
+        self.k[layer, batch.extra["slots"]] = k.to(self.k.dtype)
+        self.v[layer, batch.extra["slots"]] = v.to(self.v.dtype)
+
+    def attend(self, layer, batch, q, scale):
+        import torch
+
+        from .kv_cache import attention_over_context
+
+        out = torch.empty_like(q)
+        for sid, start, n, ctx in zip(batch.seq_ids, batch.starts, batch.query_lens, batch.context_lens):
+            first = self.manager.start[sid]
+            out[start : start + n] = attention_over_context(
+                q[start : start + n], self.k[layer, first : first + ctx], self.v[layer, first : first + ctx], scale
+            )
+        return out
+
+    def free(self, seq_id: int) -> None:
+        """The scheduler frees reservations through the manager; nothing to do here."""

@@ -5,6 +5,8 @@ Usage, from the repository root::
     python -m lesson_utils.run_all                          # every solution notebook, strict checkers
     python -m lesson_utils.run_all --profile ci --which both
     python -m lesson_utils.run_all --only 03 --timeout 600 --out runs/lesson03
+    python -m lesson_utils.run_all --which both --jobs 2   # two notebooks at a time (one kernel each)
+    python -m lesson_utils.run_all --compare runs/2025-01-10-gpu/summary.json   # beside the last recorded run
 
 Each notebook runs in a fresh ``python3`` kernel whose working directory is the notebook's folder and
 whose environment has
@@ -24,12 +26,18 @@ Results go to ``OUT`` (default ``runs/<UTC timestamp>-<profile>``)::
     OUT/figures/<kind>/<NN_name>/cellCCC_K.png   every PNG the notebook displayed
     OUT/logs/<kind>/NN_name.log    the kernel process's own output (crashes), only when there is any
     OUT/summary.json               one record per notebook (see NotebookResult)
+    OUT/report.md                  the same for people: header (time, profile, device, versions), then per
+                                   lesson each notebook's result, wall time, KEY lines and figures
 
 Notebooks report headline numbers by printing lines that start with ``KEY:``; their text is collected,
 in order, into ``key_lines`` of the summary, and those of the form ``KEY: name = value`` (e.g.
 ``KEY: KV bytes per token, OPT-125m fp16 = 36,864 B``) also into the ``key_numbers`` mapping.
 In student notebooks the checkers print "... not implemented yet ..." for each unsolved exercise; the
 number of those messages is ``unsolved_count``.
+
+``--jobs N`` executes up to N notebooks at once (each in its own kernel process; results stay in input
+order). ``--compare PREVIOUS/summary.json`` prints, per notebook, the previous run's wall time and KEY lines
+next to this run's - e.g. a class machine beside the last recorded run.
 """
 
 from __future__ import annotations
@@ -40,8 +48,11 @@ import json
 import os
 import re
 import sys
+import threading
 import time
 import traceback
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from itertools import zip_longest
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -57,6 +68,7 @@ KEY_PREFIX = "KEY:"
 ERROR_TAIL_LINES = 8
 
 _ANSI_RE = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+_LOG_DIRS = threading.Lock()  # creating and removing OUT/logs/<kind>/, from several threads with --jobs
 
 # Runs in the kernel after the notebook: what profile, device and versions it actually used.
 _PROBE = """\
@@ -246,10 +258,12 @@ def run_notebook(
     )
     result = NotebookResult(path=_rel(path, root), kind=kind, seconds=0.0, ok=True, strict=strict)
     log_path = out_dir / "logs" / kind / f"{path.stem}.log"
-    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with _LOG_DIRS:  # with --jobs, another notebook may be removing the empty log folder right now
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        log = open(log_path, "wb")
     probe = True
     start = time.perf_counter()
-    with open(log_path, "wb") as log:
+    with log:
         try:
             with client.setup_kernel(env=kernel_env(kind, profile, strict, root), stdout=log, stderr=log):
                 try:
@@ -282,12 +296,13 @@ def run_notebook(
         if not result.ok and result.error and result.error.startswith("the kernel died"):
             result.error += "\nkernel log:\n" + _tail(kernel_log)
     else:
-        log_path.unlink()
-        for folder in (log_path.parent, log_path.parent.parent):
-            try:
-                folder.rmdir()  # only when empty
-            except OSError:
-                break
+        with _LOG_DIRS:
+            log_path.unlink()
+            for folder in (log_path.parent, log_path.parent.parent):
+                try:
+                    folder.rmdir()  # only when empty
+                except OSError:
+                    break
     if profile and result.profile is None:
         result.profile = profile
 
@@ -337,41 +352,65 @@ def run_notebooks(
     timeout: int = 1200,
     progress: bool = True,
     root: Path | str = ".",
+    jobs: int = 1,
 ) -> list[NotebookResult]:
-    """Execute ``paths`` one after another; write executed copies, figures and ``out_dir/summary.json``.
+    """Execute ``paths``; write executed copies, figures, ``out_dir/summary.json`` and ``out_dir/report.md``.
 
     ``strict=None`` means strict for solution notebooks; student notebooks are never strict.
+    ``jobs`` notebooks run at once (threads, each driving its own kernel process); the results come back
+    in the order of ``paths`` whatever order they finish in.
     """
     paths = [Path(p) for p in paths]
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    results: list[NotebookResult] = []
+    jobs = max(1, min(int(jobs), len(paths) or 1))
+    results: list[NotebookResult | None] = [None] * len(paths)
     bar = None
     if progress:
         from tqdm.auto import tqdm
 
         bar = tqdm(total=len(paths), unit="notebook", file=sys.stderr, dynamic_ncols=True)
+
+    def run(path: Path) -> NotebookResult:
+        return run_notebook(path, out_dir, root=root, profile=profile, strict=strict, timeout=timeout)
+
+    def finished(index: int, result: NotebookResult) -> None:
+        results[index] = result
+        if bar is not None:
+            bar.update(1)
+            done = [r for r in results if r is not None]
+            bar.set_postfix_str(f"failed {sum(not r.ok for r in done)}")
+
+    start = time.perf_counter()
     try:
-        for path in paths:
+        if jobs == 1:
+            for index, path in enumerate(paths):
+                if bar is not None:
+                    bar.set_description(f"{_kind_of(path)}/{path.name}")
+                finished(index, run(path))
+        else:
             if bar is not None:
-                bar.set_description(f"{_kind_of(path)}/{path.name}")
-            results.append(
-                run_notebook(path, out_dir, root=root, profile=profile, strict=strict, timeout=timeout)
-            )
-            if bar is not None:
-                bar.update(1)
-                bar.set_postfix_str(f"failed {sum(not r.ok for r in results)}")
+                bar.set_description(f"{jobs} at a time")
+            with ThreadPoolExecutor(max_workers=jobs, thread_name_prefix="run_all") as pool:
+                futures = {pool.submit(run, path): index for index, path in enumerate(paths)}
+                for future in as_completed(futures):
+                    finished(futures[future], future.result())
     finally:
         if bar is not None:
             bar.close()
+    elapsed = time.perf_counter() - start
+    done = [r for r in results if r is not None]
     write_summary(
-        results,
+        done,
         out_dir,
         profile_requested=profile,
         strict_solutions=True if strict is None else bool(strict),
         timeout_per_cell=timeout,
+        jobs=jobs,
+        wall_seconds=round(elapsed, 2),
     )
-    return results
+    write_report(done, out_dir, wall_seconds=elapsed)
+    return done
 
 
 def write_summary(results: list[NotebookResult], out_dir: Path | str, **settings) -> Path:
@@ -386,6 +425,162 @@ def write_summary(results: list[NotebookResult], out_dir: Path | str, **settings
     }
     path.write_text(json.dumps(data, indent=1, sort_keys=False) + "\n", encoding="utf-8")
     return path
+
+
+def _lesson_of(result: NotebookResult) -> str:
+    """The lesson a notebook belongs to: its file stem ("02_measuring_fragmentation")."""
+    return Path(result.path).stem
+
+
+def _lesson_order(results: list[NotebookResult]) -> list[NotebookResult]:
+    """By lesson file name (NN_ first), the solution before the student notebook of a lesson."""
+    rank = {kind: i for i, kind in enumerate(KINDS)}
+    return sorted(results, key=lambda r: (_lesson_of(r), rank.get(r.kind, len(KINDS)), r.path))
+
+
+def _title_of(result: NotebookResult, out_dir: Path) -> str | None:
+    """The notebook's first Markdown heading ("# 02 · Measuring ..."), read from its executed copy."""
+    if not result.executed_path:
+        return None
+    try:
+        nb = nbformat.read(out_dir / result.executed_path, as_version=4)
+    except Exception:  # noqa: BLE001 - a title is a nicety
+        return None
+    for cell in nb.cells:
+        if cell.cell_type == "markdown":
+            for line in cell.source.splitlines():
+                if line.startswith("# "):
+                    return line[2:].strip()
+    return None
+
+
+def _distinct(values) -> list[str]:
+    seen: list[str] = []
+    for value in values:
+        if value and value not in seen:
+            seen.append(value)
+    return seen
+
+
+def _versions_text(versions: dict[str, str]) -> str:
+    return ", ".join(f"{name} {version}" for name, version in versions.items()) or "unknown"
+
+
+def write_report(results: list[NotebookResult], out_dir: Path | str, *, wall_seconds: float | None = None) -> Path:
+    """``out_dir/report.md``: the run for people, to keep with the executed notebooks and figures.
+
+    A header (UTC time, profile, device, versions, as the kernels reported them), a table of every
+    notebook, then one section per lesson in lesson order: for each of its notebooks the kind, pass/fail,
+    wall time, device and profile, the ``KEY:`` lines as bullets and every figure as an image link
+    (paths relative to ``out_dir``, so the report renders next to its ``figures/`` folder).
+    """
+    out_dir = Path(out_dir)
+    path = out_dir / "report.md"
+    ordered = _lesson_order(results)
+    profiles = _distinct(r.profile for r in results) or ["unknown"]
+    devices = _distinct(r.device_name for r in results) or ["unknown"]
+    version_sets = _distinct(_versions_text(r.versions) for r in results if r.versions) or ["unknown"]
+    passed = sum(r.ok for r in results)
+    lines = [
+        "# Course run report",
+        "",
+        f"- **When**: {datetime.now(timezone.utc).strftime('%Y-%m-%d %H:%M:%S')} UTC",
+        f"- **Profile**: {', '.join(profiles)}",
+        f"- **Device**: {'; '.join(devices)}",
+        f"- **Versions**: {' | '.join(version_sets)}",
+        f"- **Result**: {passed}/{len(results)} notebooks passed"
+        + (f" in {wall_seconds:.0f} s of wall time" if wall_seconds is not None else ""),
+        "",
+        "Every number below was computed in this run, by the notebooks' own `KEY:` lines. Executed notebooks:",
+        "`solutions/` and `notebooks/` next to this file; machine-readable: `summary.json`.",
+        "",
+        "| notebook | kind | result | wall time (s) | unsolved |",
+        "|---|---|---|---:|---:|",
+    ]
+    for r in ordered:
+        unsolved = str(r.unsolved_count) if r.kind == "notebooks" else "-"
+        lines.append(f"| `{r.path}` | {r.kind} | {'pass' if r.ok else '**FAIL**'} | {r.seconds:.1f} | {unsolved} |")
+    current = None
+    for r in ordered:
+        lesson = _lesson_of(r)
+        if lesson != current:
+            current = lesson
+            title = _title_of(r, out_dir)
+            lines += ["", f"## {lesson}" + (f": {title}" if title else "")]
+        where = f"cell {r.error_cell}" if r.error_cell is not None else "before any cell"
+        lines += [
+            "",
+            f"### `{r.path}`",
+            "",
+            f"- **Kind**: {r.kind}" + (" (strict checkers)" if r.strict else ""),
+            f"- **Result**: {'pass' if r.ok else f'**FAIL** ({where})'}"
+            + (f"; {r.unsolved_count} exercise(s) reported unsolved" if r.kind == "notebooks" else ""),
+            f"- **Wall time**: {r.seconds:.1f} s",
+            f"- **Device / profile**: {r.device_name or 'unknown'} / {r.profile or 'unknown'}",
+        ]
+        if r.executed_path:
+            lines.append(f"- **Executed notebook**: [{r.executed_path}]({r.executed_path})")
+        if r.kernel_log:
+            lines.append(f"- **Kernel log**: [{r.kernel_log}]({r.kernel_log})")
+        if not r.ok and r.error:
+            lines += ["", "```text", *r.error.splitlines(), "```"]
+        lines += ["", "**Key findings**", ""]
+        lines += [f"- {line}" for line in r.key_lines] or ["- (none printed)"]
+        lines += ["", "**Figures**", ""]
+        if r.figures:
+            lines += [f"![{Path(f).stem}]({f})" for f in r.figures]
+        else:
+            lines.append("(none)")
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return path
+
+
+def load_summary(path: Path | str) -> dict:
+    """A previous run's summary.json (``path`` may also be the run's folder)."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / "summary.json"
+    return json.loads(path.read_text(encoding="utf-8"))
+
+
+def format_comparison(results: list[NotebookResult], previous: dict, previous_name: str = "previous run") -> str:
+    """Per notebook: this run's and the previous run's wall time and KEY lines, side by side.
+
+    ``previous`` is a loaded summary.json. KEY lines are paired in order (the notebooks print them in a
+    fixed order); identical pairs are printed once.
+    """
+    before = {record["path"]: record for record in previous.get("notebooks", [])}
+    ours = {r.path for r in results}
+
+    def about(records) -> str:
+        profiles = ", ".join(_distinct(r.get("profile") for r in records)) or "?"
+        devices = "; ".join(_distinct(r.get("device_name") for r in records)) or "?"
+        return f"profile {profiles}, {devices}"
+
+    lines = [
+        f"this run:     {about([asdict(r) for r in results])}",
+        f"{previous_name}: {about(list(before.values()))}, created {previous.get('created', '?')}",
+    ]
+    for r in _lesson_order(results):
+        old = before.get(r.path)
+        now = f"{r.seconds:7.1f} s {'pass' if r.ok else 'FAIL'}"
+        lines.append("")
+        if old is None:
+            lines.append(f"{r.path}: this run {now}; not in the {previous_name}")
+            lines.extend(f"    now:    {line}" for line in r.key_lines)
+            continue
+        then = f"{old.get('seconds', 0.0):7.1f} s {'pass' if old.get('ok') else 'FAIL'}"
+        lines.append(f"{r.path}: this run {now} | {previous_name} {then}")
+        for new_line, old_line in zip_longest(r.key_lines, old.get("key_lines", [])):
+            if new_line == old_line:
+                lines.append(f"    same:   {new_line}")
+            else:
+                lines.append(f"    now:    {new_line if new_line is not None else '(missing)'}")
+                lines.append(f"    before: {old_line if old_line is not None else '(missing)'}")
+    missing = [p for p in before if p not in ours]
+    if missing:
+        lines += ["", f"in the {previous_name} only: " + ", ".join(missing)]
+    return "\n".join(lines)
 
 
 def format_table(results: list[NotebookResult]) -> str:
@@ -440,9 +635,23 @@ def main(argv: list[str] | None = None) -> int:
         help="COURSE_STRICT=1 for solution notebooks (default: on; student notebooks never strict)",
     )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("--jobs", type=int, default=1, metavar="N", help="run up to N notebooks at once (default 1)")
+    parser.add_argument(
+        "--compare",
+        metavar="PREVIOUS_SUMMARY_JSON",
+        help="print the wall time and KEY lines of a previous run (its summary.json or folder) next to this run's",
+    )
     args = parser.parse_args(argv)
 
     root = Path(args.root)
+    if args.jobs < 1:
+        parser.error("--jobs must be at least 1")
+    previous = None
+    if args.compare:  # read it first: a wrong path should fail before an hour of notebooks, not after
+        try:
+            previous = load_summary(args.compare)
+        except (OSError, ValueError) as exc:
+            parser.error(f"--compare: cannot read {args.compare}: {exc}")
     paths = find_notebooks(root, args.which, args.only)
     if not paths:
         print(f"no {args.which} notebooks under {root.resolve()} match {args.only!r}", file=sys.stderr)
@@ -450,7 +659,7 @@ def main(argv: list[str] | None = None) -> int:
     label = args.profile or os.environ.get("COURSE_PROFILE") or "auto"
     stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
     out_dir = Path(args.out) if args.out else root / "runs" / f"{stamp}-{label}"
-    print(f"running {len(paths)} notebook(s), profile {label}, results in {out_dir}")
+    print(f"running {len(paths)} notebook(s), profile {label}, {args.jobs} at a time, results in {out_dir}")
     results = run_notebooks(
         paths,
         out_dir,
@@ -459,9 +668,13 @@ def main(argv: list[str] | None = None) -> int:
         timeout=args.timeout,
         progress=not args.no_progress,
         root=root,
+        jobs=args.jobs,
     )
-    print(format_table(results))
-    print(f"\nexecuted notebooks and summary.json in {out_dir}")
+    print(format_table(results))  # run_notebooks has written summary.json and report.md
+    if previous is not None:
+        print(f"\n--- compared with {args.compare} ---")
+        print(format_comparison(results, previous, "previous run"))
+    print(f"\nexecuted notebooks, summary.json and report.md in {out_dir}")
     return 0 if all(r.ok for r in results) else 1
 
 

@@ -44,6 +44,7 @@ class Sequence:
     samples: list = field(default_factory=list)
     added_at: float = 0.0
     first_token_s: float | None = None  # time to first token, seconds (real runs)
+    finished_s: float | None = None  # time from arrival to the last token, seconds (real runs)
 
     @property
     def seq_id(self) -> int:

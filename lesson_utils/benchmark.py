@@ -1,0 +1,154 @@
+"""Lesson 07: serve one workload several ways and measure what a user and an operator would see.
+
+* :func:`serve_engine` feeds a course engine requests at their arrival times (wall clock) and records, per
+  request, time to first token (from arrival) and time per output token after the first, and per step the
+  requests running and the KV slots holding token states.
+* :func:`serve_hf_static` is the baseline most people start from: Hugging Face ``generate`` on static,
+  left-padded batches of ``batch_size`` requests taken in arrival order; a batch starts when its last request
+  has arrived and the previous batch is done, and runs until its longest member finishes.
+
+Both stop a request at end-of-sequence or at its own output length, so greedy outputs can be compared token
+for token.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from .workloads import Request
+
+
+@dataclass
+class ServeResult:
+    name: str
+    outputs: dict[int, list[int]]  # req_id -> generated ids
+    ttft_s: dict[int, float]
+    tpot_s: dict[int, float]  # mean seconds per output token after the first
+    wall_s: float
+    running: list[tuple[float, int]] = field(default_factory=list)  # (seconds since start, requests running)
+    kv_used: list[tuple[float, float]] = field(default_factory=list)  # (seconds, share of the budget holding tokens)
+
+    @property
+    def output_tokens(self) -> int:
+        return sum(len(o) for o in self.outputs.values())
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.output_tokens / self.wall_s
+
+    def latency(self, which: str, q: float) -> float:
+        values = list((self.ttft_s if which == "ttft" else self.tpot_s).values())
+        return float(np.percentile(values, q)) if values else float("nan")
+
+
+def _trim(ids: list[int], n: int, eos: int | None) -> list[int]:
+    ids = ids[:n]
+    if eos is not None and eos in ids:
+        ids = ids[: ids.index(eos) + 1]
+    return ids
+
+
+def serve_engine(name: str, engine, requests: list[Request], progress: bool = True) -> ServeResult:
+    """Add each request when its arrival time comes (a wall clock starting now); run until all are served."""
+    pending = sorted(requests, key=lambda r: (r.arrival_s, r.req_id))
+    seqs: dict[int, object] = {}
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=len(pending), desc=name, unit="req", leave=False)
+    start = time.perf_counter()
+    i = 0
+    sched = engine.scheduler
+    while i < len(pending) or sched.has_work:
+        now = time.perf_counter() - start
+        if not sched.has_work and pending[i].arrival_s > now:
+            time.sleep(pending[i].arrival_s - now)  # idle server: wait for the next request
+            now = pending[i].arrival_s
+        while i < len(pending) and pending[i].arrival_s <= now:
+            r = pending[i]
+            seq = engine.add_request(r.prompt_ids, r.output_len)
+            seq.added_at = start + r.arrival_s  # latencies count from arrival, queueing included
+            seqs[r.req_id] = seq
+            i += 1
+        done = engine.step()
+        if bar is not None:
+            bar.update(len(done))
+    wall = time.perf_counter() - start
+    if bar is not None:
+        bar.close()
+    outputs = {rid: list(s.output_ids) for rid, s in seqs.items()}
+    ttft = {rid: s.first_token_s for rid, s in seqs.items()}
+    tpot = {rid: (s.finished_s - s.first_token_s) / (len(s.output_ids) - 1)
+            for rid, s in seqs.items() if len(s.output_ids) > 1}
+    running = [(st.t - start, st.running) for st in engine.stats]
+    kv = [(st.t - start, st.kv_tokens / st.kv_slots) for st in engine.stats if st.kv_slots]
+    return ServeResult(name, outputs, ttft, tpot, wall, running, kv)
+
+
+class _StepClock:
+    """A logits processor that only notes the time of every generation step (it changes no logits)."""
+
+    def __init__(self):
+        self.times: list[float] = []
+
+    def __call__(self, input_ids, scores):
+        self.times.append(time.perf_counter())
+        return scores
+
+
+def serve_hf_static(model, requests: list[Request], batch_size: int, eos_token_id: int | None, pad_token_id: int = 1,
+                    progress: bool = True) -> ServeResult:
+    """Hugging Face ``generate`` in static, left-padded batches (see the module docstring)."""
+    from transformers import LogitsProcessorList
+
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be at least 1, got {batch_size}")
+    device = next(model.parameters()).device
+    order = sorted(requests, key=lambda r: (r.arrival_s, r.req_id))
+    batches = [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
+    outputs, ttft, tpot, running = {}, {}, {}, []
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=len(order), desc="HF static batches", unit="req", leave=False)
+    start = time.perf_counter()
+    for batch in batches:
+        ready = max(r.arrival_s for r in batch)
+        now = time.perf_counter() - start
+        if ready > now:
+            time.sleep(ready - now)
+        width = max(r.prompt_len for r in batch)
+        ids = torch.full((len(batch), width), pad_token_id, dtype=torch.long)
+        mask = torch.zeros((len(batch), width), dtype=torch.long)
+        for row, r in enumerate(batch):
+            ids[row, width - r.prompt_len :] = torch.tensor(r.prompt_ids)
+            mask[row, width - r.prompt_len :] = 1
+        clock = _StepClock()
+        with torch.inference_mode():
+            out = model.generate(
+                ids.to(device), attention_mask=mask.to(device), max_new_tokens=max(r.output_len for r in batch),
+                do_sample=False, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
+                logits_processor=LogitsProcessorList([clock]),
+            )
+        for row, r in enumerate(batch):
+            gen = _trim(out[row, width:].tolist(), r.output_len, eos_token_id)
+            outputs[r.req_id] = gen
+            first = clock.times[0] - start
+            last = clock.times[min(len(gen), len(clock.times)) - 1] - start
+            ttft[r.req_id] = first - r.arrival_s
+            if len(gen) > 1:
+                tpot[r.req_id] = (last - first) / (len(gen) - 1)
+            running.append((first, len(batch)))
+        running.append((clock.times[-1] - start, 0))
+        if bar is not None:
+            bar.update(len(batch))
+    wall = time.perf_counter() - start
+    if bar is not None:
+        bar.close()
+    return ServeResult("HF generate (static batches)", outputs, ttft, tpot, wall, running)

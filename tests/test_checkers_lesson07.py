@@ -1,0 +1,64 @@
+"""Lesson 07's checker rejects engine steps that forget a piece or put them in the wrong order."""
+
+from __future__ import annotations
+
+import pytest
+
+from lesson_utils.checks import lesson07
+from lesson_utils.engine import default_step
+
+
+@pytest.fixture(autouse=True)
+def not_strict(monkeypatch):
+    monkeypatch.delenv("COURSE_STRICT", raising=False)
+
+
+@pytest.fixture(scope="module")
+def w():
+    from lesson_utils.env import Profile
+    from lesson_utils.model import load_model
+    from lesson_utils.opt_forward import OPTWeights
+
+    return OPTWeights.from_hf(load_model(profile=Profile(name="ci", device="cpu", device_name="test")).model)
+
+
+def rejected(result, *needles):
+    assert not result.passed and result.implemented, result.message
+    for n in needles:
+        assert n in result.message, f"{n!r} not in:\n{result.message}"
+    return True
+
+
+def test_reference_passes(w):
+    assert lesson07.check_engine_step(default_step, w).passed
+
+
+def test_mistakes(w):
+    def no_retire(s, r, m, step):
+        s.admit(step); s.reserve_next_slots(); r.execute(s.running, step)
+        for q in s.running:
+            m.cache_computed(q)
+        return []
+
+    def no_room(s, r, m, step):
+        s.admit(step); r.execute(s.running, step)
+        for q in s.running:
+            m.cache_computed(q)
+        return s.retire_finished(step)
+
+    def run_then_admit(s, r, m, step):
+        s.reserve_next_slots(); r.execute(s.running, step)
+        for q in s.running:
+            m.cache_computed(q)
+        done = s.retire_finished(step)
+        s.admit(step)
+        return done
+
+    def no_cache(s, r, m, step):
+        s.admit(step); s.reserve_next_slots(); r.execute(s.running, step)
+        return s.retire_finished(step)
+
+    assert rejected(lesson07.check_engine_step(no_retire, w), "retire_finished")
+    assert rejected(lesson07.check_engine_step(no_room, w), "reserve_next_slots")
+    assert rejected(lesson07.check_engine_step(run_then_admit, w), "admit new requests before")
+    assert rejected(lesson07.check_engine_step(no_cache, w), "cache_computed")
