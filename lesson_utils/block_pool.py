@@ -9,7 +9,9 @@ count drops to zero.
 **Prefix cache.** A *full* block can be registered under a hash of its tokens chained with the hash of
 the block before it, so the hash names the whole prefix up to and including that block. A later request
 whose prompt starts with the same tokens finds the blocks by hash and reuses their K/V instead of
-recomputing them. Lookups compare the tokens too, so a hash collision can never hand out wrong K/V.
+recomputing them. Lookups compare the block's tokens too, so a collision between blocks with different tokens
+is caught; a collision between equal blocks behind different prefixes is not (vLLM has the same limit), which
+a strong hash makes negligible: Python's 64-bit tuple hash here, a cryptographic hash in production.
 
 Freed blocks keep their contents and their hash: they stay findable until the allocator needs them for
 something else. The free queue is in eviction order - least recently freed first - and every operation

@@ -52,9 +52,9 @@ import threading
 import time
 import traceback
 from concurrent.futures import ThreadPoolExecutor, as_completed
-from itertools import zip_longest
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
+from itertools import zip_longest
 from pathlib import Path
 
 import nbformat
@@ -290,14 +290,17 @@ def run_notebook(
             result.ok = False
             result.error = result.error or _tail("".join(traceback.format_exception_only(type(exc), exc)))
             result.seconds = result.seconds or time.perf_counter() - start
-    kernel_log = log_path.read_text(encoding="utf-8", errors="replace").strip()
+    try:
+        kernel_log = log_path.read_text(encoding="utf-8", errors="replace").strip()
+    except FileNotFoundError:  # another run writing into the same OUT removed it: a log is never worth a crash
+        kernel_log = ""
     if kernel_log:
         result.kernel_log = _rel(log_path, out_dir)
         if not result.ok and result.error and result.error.startswith("the kernel died"):
             result.error += "\nkernel log:\n" + _tail(kernel_log)
     else:
         with _LOG_DIRS:
-            log_path.unlink()
+            log_path.unlink(missing_ok=True)
             for folder in (log_path.parent, log_path.parent.parent):
                 try:
                     folder.rmdir()  # only when empty

@@ -188,18 +188,23 @@ class FCFSScheduler:
         self.swap_in_copies, self.swap_out_copies = [], []
         moved: dict[int, int] = {}
         watermark = getattr(self.manager, "watermark_blocks", 0)
+        # a running sequence feeds one token; one swapped out before its prefill ran feeds all it has not computed
+        budget = None if self.max_num_batched_tokens is None else self.max_num_batched_tokens - len(self.running)
         while self.swapped and self._room_for_another():
             seq = self.swapped[0]
+            if budget is not None and seq.len - seq.kv_len > budget and self.running:
+                break
             if not self.swap_space.can_swap_in(self.manager, seq.seq_id, watermark if self.running else 0):
                 break
             self.swap_in_copies += self.swap_space.swap_in(self.manager, seq.seq_id, moved)
             self.swapped.popleft()
             seq.admitted_step = step
             self.running.append(seq)
+            if budget is not None:
+                budget -= seq.len - seq.kv_len
         if self.swapped:
             return []  # swapped sequences come back before anyone new is admitted
         admitted = []
-        budget = None if self.max_num_batched_tokens is None else self.max_num_batched_tokens - len(self.running)
         while self.waiting and self._room_for_another():
             seq = self.waiting[0]
             if budget is not None and seq.len - seq.kv_len > budget and (admitted or self.running):
@@ -231,6 +236,8 @@ class FCFSScheduler:
                     i -= 1
                 self._preempt(victim, moved)
                 preempted.append(victim)
+                for b in [b for b in moved if self.manager.allocator.is_free(b)]:
+                    del moved[b]  # freed: it may be handed out again this step, and then holds something else
         return preempted
 
     def _preempt(self, victim: Sequence, moved: dict[int, int]) -> None:

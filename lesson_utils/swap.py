@@ -81,6 +81,10 @@ class SwapSpace:
         hashes.pop(seq_id, None)
         fresh = len(already)
         cpu_blocks, copies = self._mapping(table.blocks, self.pool.allocate, already)
+        # a block the victim copied-on-write this step is filled only in the forward, after the swap copies:
+        # copy its contents from the copy's source (still held by another table) instead
+        pending = {dst: src for src, dst in getattr(manager, "_copies", [])}
+        copies = [(pending.get(gpu, gpu), cpu) for gpu, cpu in copies]
         # every CPU block gets one reference per table holding it (new ones were allocated with count 1)
         counted: set[int] = {cpu for _, cpu in copies}
         for cpu in cpu_blocks:

@@ -1,10 +1,20 @@
 """The lessons themselves, executed as CI and an instructor would: every solution notebook strictly
 (checkers raise), every student notebook top to bottom (unsolved exercises reported, nothing else
-failing), in the CI profile. Also: the generated notebooks have not drifted from their sources."""
+failing), in the CI profile. Also: the generated notebooks have not drifted from their sources.
+
+Every notebook runs ONCE, through the instructor's own command (``run_all.run_notebooks``), in the
+module-scoped fixture ``ran``; the tests below only read its results. Under ``pytest -n 2`` one worker
+executes the notebooks, one after another, while the other runs the unit tests: pyproject.toml's
+``--dist loadfile`` sends all of this file's tests to one worker. The notebook tests also carry the xdist
+group "notebooks", which does the same under ``--dist loadgroup`` - except with pytest 9.2 and
+pytest-xdist 3.8, where loadgroup silently stops grouping (pytest-xdist#1386): the fixture would then
+run on both workers, into the same folder.
+"""
 
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import nbformat
@@ -15,6 +25,7 @@ from lesson_utils import build, run_all
 ROOT = Path(__file__).resolve().parents[1]
 SOLUTIONS = sorted((ROOT / "solutions").glob(run_all.LESSON_GLOB))
 STUDENTS = sorted((ROOT / "notebooks").glob(run_all.LESSON_GLOB))
+OUT = ROOT / "runs" / "ci-tests"  # git-ignored; executed notebooks, figures, summary.json and report.md
 
 
 def test_every_lesson_has_both_notebooks():
@@ -33,20 +44,37 @@ def _exercises(path: Path) -> int:
     return sum(1 for c in nb.cells if c.cell_type == "code" and "### BEGIN SOLUTION" in c.source)
 
 
-@pytest.mark.notebooks
+@pytest.fixture(scope="module")
+def ran():
+    """Every lesson notebook, executed once: solutions strictly, student notebooks not (run_notebooks'
+    default: ``strict=None`` means strict for solutions only). Returns (started, {relative path: result})."""
+    started = time.time()
+    results = run_all.run_notebooks(SOLUTIONS + STUDENTS, OUT, profile="ci", progress=False, root=ROOT, jobs=1)
+    return started, {r.path: r for r in results}
+
+
+def _result(ran, path: Path) -> run_all.NotebookResult:
+    return ran[1][path.relative_to(ROOT).as_posix()]
+
+
 @pytest.mark.parametrize("path", SOLUTIONS, ids=lambda p: p.stem)
-def test_solution_executes_strictly(path, tmp_path):
-    (result,) = run_all.run_notebooks([path], tmp_path, profile="ci", strict=True, progress=False, root=ROOT)
+@pytest.mark.notebooks
+@pytest.mark.xdist_group("notebooks")
+def test_solution_executes_strictly(ran, path):
+    result = _result(ran, path)
+    assert result.strict, "solutions run with COURSE_STRICT=1"
     assert result.ok, f"{path.name} failed at cell {result.error_cell}:\n{result.error}"
     assert result.unsolved_count == 0
     assert result.key_lines, "a lesson ends with key findings computed in the run (KEY: lines)"
     assert result.figures, "a lesson shows figures"
 
 
-@pytest.mark.notebooks
 @pytest.mark.parametrize("path", STUDENTS, ids=lambda p: p.stem)
-def test_student_notebook_runs_top_to_bottom(path, tmp_path):
-    (result,) = run_all.run_notebooks([path], tmp_path, profile="ci", progress=False, root=ROOT)
+@pytest.mark.notebooks
+@pytest.mark.xdist_group("notebooks")
+def test_student_notebook_runs_top_to_bottom(ran, path):
+    result = _result(ran, path)
+    assert not result.strict
     assert result.ok, f"{path.name} crashed at cell {result.error_cell}:\n{result.error}"
     expected = _exercises(ROOT / "solutions" / path.name)
     assert result.unsolved_count == expected, f"{expected} exercises, {result.unsolved_count} reported unsolved"
@@ -57,16 +85,35 @@ def _cell_with(nb, text):
 
 
 @pytest.mark.notebooks
-def test_lesson02_draws_stacked_bars_and_memory_map(tmp_path):
-    path = ROOT / "solutions" / "02_measuring_fragmentation.ipynb"
-    (result,) = run_all.run_notebooks([path], tmp_path, profile="ci", progress=False, root=ROOT)
+@pytest.mark.xdist_group("notebooks")
+def test_lesson02_draws_stacked_bars_and_memory_map(ran):
+    result = _result(ran, ROOT / "solutions" / "02_measuring_fragmentation.ipynb")
     assert result.ok, result.error
-    nb = nbformat.read(tmp_path / result.executed_path, as_version=4)
+    nb = nbformat.read(OUT / result.executed_path, as_version=4)
     for marker in ("draw_breakdown_bars(", "plotting.interactive(show_map"):
         cell = _cell_with(nb, marker)
         assert any("image/png" in o.get("data", {}) for o in cell.outputs), f"no figure from the cell with {marker}"
-    summary = json.loads((tmp_path / "summary.json").read_text())
-    assert summary["notebooks"][0]["device_name"]
+    summary = json.loads((OUT / "summary.json").read_text())
+    record = next(r for r in summary["notebooks"] if r["path"] == result.path)
+    assert record["device_name"]
+
+
+@pytest.mark.notebooks
+@pytest.mark.xdist_group("notebooks")
+def test_results_report_lists_every_lesson(ran):
+    """The results report is produced by the headless command in CI and lists every lesson."""
+    started, results = ran
+    report = OUT / "report.md"
+    assert report.is_file(), "run_notebooks writes report.md next to summary.json"
+    assert report.stat().st_mtime >= started - 1, "report.md is left over from an earlier run"
+    text = report.read_text(encoding="utf-8")
+    for path in SOLUTIONS + STUDENTS:
+        assert f"`{path.relative_to(ROOT).as_posix()}`" in text, f"report.md does not name {path.name}"
+    for result in results.values():
+        for line in result.key_lines:
+            assert line in text
+        for figure in result.figures:
+            assert f"]({figure})" in text
 
 
 def test_editing_a_real_lesson_without_regenerating_fails_the_check(tmp_path):

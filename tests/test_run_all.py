@@ -1,4 +1,4 @@
-"""lesson_utils.run_all on two tiny notebooks: one passes, one raises."""
+"""lesson_utils.run_all on two tiny notebooks: one passes, one raises. Also the report, --jobs and --compare."""
 
 from __future__ import annotations
 
@@ -27,7 +27,8 @@ def _nb(*sources: str):
 def ran(tmp_path_factory):
     root = tmp_path_factory.mktemp("course")
     good = _nb(
-        "import os, pathlib\n"
+        "import os, pathlib, time\n"
+        "time.sleep(1)  # finishes after the bad one: --jobs must still return results in input order\n"
         "print('headless', os.environ.get('COURSE_HEADLESS'))\n"
         "print('strict', os.environ.get('COURSE_STRICT'))\n"
         "print('profile', os.environ.get('COURSE_PROFILE'))\n"
@@ -126,3 +127,66 @@ def test_kernel_env_strictness(tmp_path: Path, monkeypatch):
     env = run_all.kernel_env("solutions", "cpu", True, tmp_path)
     assert env["COURSE_STRICT"] == "1" and env["COURSE_PROFILE"] == "cpu" and env["COURSE_HEADLESS"] == "1"
     assert env["PYTHONPATH"].split(":")[0] == str(tmp_path.resolve())
+
+
+def test_report_lists_every_notebook_with_key_lines_and_figures(ran):
+    root, out, results = ran
+    text = (out / "report.md").read_text(encoding="utf-8")
+    good, bad = results
+    # header: when, and what the kernels reported
+    assert text.startswith("# Course run report")
+    assert " UTC" in text and "**Profile**: ci" in text
+    assert good.device_name in text and f"python {good.versions['python']}" in text
+    for r in results:
+        assert f"### `{r.path}`" in text
+        for line in r.key_lines:
+            assert f"- {line}\n" in text
+        for figure in r.figures:
+            assert f"]({figure})" in text and (out / figure).is_file()  # relative to OUT: renders in place
+    assert "## 01_good: Tiny" in text and "## 02_bad: Tiny" in text  # one section per lesson, with its title
+    assert "**FAIL** (cell 2)" in text and "ValueError: boom from the lesson" in text
+    assert "2 exercise(s) reported unsolved" in text
+
+
+def test_report_sections_follow_lesson_order(ran, tmp_path):
+    root, out, results = ran
+    text = run_all.write_report(list(reversed(results)), tmp_path).read_text(encoding="utf-8")
+    assert text.index("### `solutions/01_good.ipynb`") < text.index("### `notebooks/02_bad.ipynb`")
+
+
+def test_jobs_give_the_same_results_in_input_order(ran, tmp_path):
+    root, out, results = ran
+    paths = [root / r.path for r in results]
+    again = run_all.run_notebooks(paths, tmp_path / "jobs2", profile="ci", timeout=60, progress=True, root=root, jobs=2)
+    fields = ("path", "kind", "ok", "error", "error_cell", "unsolved_count", "profile", "device_name", "strict",
+              "executed_path", "figures", "key_lines", "key_numbers", "probe_error")
+    assert [[getattr(r, f) for f in fields] for r in again] == [[getattr(r, f) for f in fields] for r in results]
+    summary = json.loads((tmp_path / "jobs2" / "summary.json").read_text())
+    assert summary["settings"]["jobs"] == 2 and [r["path"] for r in summary["notebooks"]] == [r.path for r in results]
+    assert (tmp_path / "jobs2" / "report.md").is_file()
+
+
+def test_cli_compare_prints_both_runs(ran, tmp_path, capsys):
+    root, out, results = ran
+    previous = json.loads((out / "summary.json").read_text())
+    previous["notebooks"][0]["seconds"] = 123.4  # the "last recorded run" was slower ...
+    previous["notebooks"][0]["key_lines"][0] = "kv_bytes_per_token = 99999"  # ... and found another number
+    (tmp_path / "previous").mkdir()
+    (tmp_path / "previous" / "summary.json").write_text(json.dumps(previous))
+    now = tmp_path / "now"
+    rc = run_all.main(["--root", str(root), "--profile", "ci", "--only", "01_good", "--out", str(now), "--timeout", "60",
+                       "--no-progress", "--jobs", "2", "--compare", str(tmp_path / "previous" / "summary.json")])
+    assert rc == 0
+    text = capsys.readouterr().out
+    line = next(x for x in text.splitlines() if x.startswith("solutions/01_good.ipynb: this run"))
+    assert line.endswith("| previous run   123.4 s pass"), line  # both wall times on one line
+    assert "now:    kv_bytes_per_token = 36864" in text and "before: kv_bytes_per_token = 99999" in text
+    assert "same:   free text: 22.4 %" in text
+    assert "in the previous run only: notebooks/02_bad.ipynb" in text
+    assert (now / "report.md").is_file() and (now / "summary.json").is_file()
+
+
+def test_cli_compare_with_a_missing_summary_fails_before_running(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exc:
+        run_all.main(["--root", str(tmp_path), "--compare", str(tmp_path / "nope" / "summary.json")])
+    assert exc.value.code == 2 and "--compare" in capsys.readouterr().err

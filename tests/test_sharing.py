@@ -38,7 +38,7 @@ import pytest
 import torch
 from hypothesis import event, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule, run_state_machine_as_test
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule, run_state_machine_as_test
 
 from lesson_utils.block_allocator import OutOfBlocks
 from lesson_utils.block_pool import NO_PARENT, BlockPool, block_hash
@@ -112,7 +112,6 @@ class SharingMachine(RuleBasedStateMachine):
         self.waiting: list[Sequence] = []
         self.history: list[list[int]] = []  # token lists seen so far: new prompts extend their prefixes
         self.processed: dict[int, int] = {}  # seq -> its full blocks already offered to the prefix cache
-        self.freed: list[Sequence] = []
 
     # ---- set-up: the manager, and spies that check the pool against the LRU model --------------------
     @initialize(block_size=st.sampled_from([1, 2, 4]), num_blocks=st.integers(16, 24))
@@ -189,6 +188,7 @@ class SharingMachine(RuleBasedStateMachine):
         hits = self._expected_hits(seq.token_ids)
         revived = [b for b in hits if pool.ref_count[b] == 0]
         need = blocks_needed(seq.len, self.bs) - len(hits) + len(revived)
+        whole = seq.len % self.bs == 0 and chain_hash(seq.token_ids, self.bs) in {h for h, _ in self.cached.values()}
         can = m.can_allocate(seq)
         assert can == (need <= (self.n if pool.num_used == 0 else pool.num_free))
         if not can:
@@ -210,11 +210,22 @@ class SharingMachine(RuleBasedStateMachine):
         _seen(f"{label}: {'hit' if hits else 'no hit'}")
         if revived:
             _seen("hit a free cached block")
+        if whole:
+            _seen("whole prompt cached: its last block recomputed")
 
-    def _pick_token_source(self, data) -> list[int]:
-        if not self.history or data.draw(st.booleans(), label="fresh prompt"):
-            return []
-        return data.draw(st.sampled_from(self.history[-12:]), label="shares a prefix with")
+    def _prompt(self, data) -> list[int]:
+        """Mostly an earlier sequence's tokens (prompt and generated), cut anywhere, often at a block
+        boundary or not at all, plus a few fresh tokens; now and then one no cache could ever hold."""
+        bs = self.bs
+        base = []
+        if self.history and data.draw(st.integers(0, 3), label="fresh prompt?"):
+            base = data.draw(st.sampled_from(self.history[-12:]), label="shares a prefix with")
+        longest = min(len(base), 6 * bs)
+        cut = data.draw(st.sampled_from([longest, longest - longest % bs]) | st.integers(0, longest), label="cut")
+        tail = data.draw(st.lists(st.sampled_from(ALPHABET), min_size=0 if cut else 1, max_size=2 * bs), label="tail")
+        if data.draw(st.integers(0, 19), label="huge?") == 0:
+            tail = tail + [0] * ((self.n + 1) * bs)
+        return base[:cut] + tail
 
     def _preempt(self, seq: Sequence) -> None:
         self.m.free(seq)
@@ -226,35 +237,36 @@ class SharingMachine(RuleBasedStateMachine):
         _seen("preempted")
 
     # ---- rules ----------------------------------------------------------------------------------
+    # (No preconditions: a rule that does not apply returns at once. Hypothesis gives up on a test case
+    # when most rules are disabled, as they are whenever the cache is empty.)
     @rule(data=st.data())
     def add_sequence(self, data):
-        bs = self.bs
-        base = self._pick_token_source(data)
-        cut = data.draw(st.integers(0, min(len(base), 6 * bs)), label="shared prefix length")
-        tail = data.draw(st.lists(st.sampled_from(ALPHABET), min_size=0 if cut else 1, max_size=3 * bs), label="tail")
-        if data.draw(st.integers(0, 9), label="huge?") == 0:  # now and then, a prompt no cache holds
-            tail = tail + [0] * ((self.n + 1) * bs)
-        seq = make_seq(self.next_id, base[:cut] + tail)
+        seq = make_seq(self.next_id, self._prompt(data))
         self.next_id += 1
         self._admit(seq, "add")
 
-    @precondition(lambda self: self.waiting)
     @rule()
     def readmit_preempted(self):
         """The scheduler's queue head first: recompute, but start from whatever prefix is still cached."""
+        if not self.waiting:
+            return
         seq = self.waiting[0]
         self._admit(seq, "readmit")
         if seq.seq_id in self.admitted:
             self.waiting.pop(0)
 
-    @precondition(lambda self: self.running or self.admitted)
     @rule(data=st.data())
     def step(self, data):
         """One engine step over the admitted sequences and some running ones."""
+        while self.waiting and self.m.can_allocate(self.waiting[0]):  # preempted ones come back first
+            self.readmit_preempted()
+        if not (self.running or self.admitted):
+            return
         m, pool, bs = self.m, self.pool, self.bs
         batch = [s for s in self.running.values() if data.draw(st.booleans(), label="runs")]
         batch += list(self.admitted.values())
-        # the scheduler: room for the token each one is about to generate, preempting the newest if needed
+        # the scheduler: room for the token each one is about to generate; when memory runs out, a victim
+        # is preempted - any of the batch, possibly one that already made room (and copied-on-write)
         i = 0
         while i < len(batch):
             seq = batch[i]
@@ -264,7 +276,11 @@ class SharingMachine(RuleBasedStateMachine):
                 i += 1
             except OutOfBlocks:
                 assert self._state() == before, "a failed append_slot changed the manager"
-                self._preempt(batch.pop())
+                index = data.draw(st.sampled_from([len(batch) - 1, 0]) | st.integers(0, len(batch) - 1), label="victim")
+                if index < i:
+                    i -= 1
+                    _seen("preempted a sequence that already made room")
+                self._preempt(batch.pop(index))
         for seq in batch:
             table = m.tables[seq.seq_id]
             assert table.num_tokens == seq.len + 1
@@ -278,7 +294,8 @@ class SharingMachine(RuleBasedStateMachine):
             m.make_writable(seq.seq_id, seq.kv_len, seq.len)
         assert m.pop_copies() == [] and pool.num_free == free_before, "the forward pass would need blocks"
         for src, dst in copies:  # copy_block, in order, before any write
-            assert pool.ref_count[dst] == 1 and dst not in pool.hash_of
+            # (a preempted victim's copy may land in a block it freed: harmless, nobody has written there yet)
+            assert pool.ref_count[dst] <= 1 and dst not in pool.hash_of
             self.shadow[dst] = list(self.shadow[src])
             _seen("copy-on-write")
         # the forward: every token not yet in the cache is written through the table
@@ -297,11 +314,13 @@ class SharingMachine(RuleBasedStateMachine):
             self._offer(seq)
             self.admitted.pop(seq.seq_id, None)
             self.running[seq.seq_id] = seq
+            self.history.append(seq.token_ids)
 
-    @precondition(lambda self: self.running)
     @rule(data=st.data())
     def fork(self, data):
         """Parallel sampling / beam search: the child shares every block; its newest token may differ."""
+        if not self.running:
+            return
         m, pool = self.m, self.pool
         parent = self.running[data.draw(st.sampled_from(sorted(self.running)), label="parent")]
         token = data.draw(st.sampled_from(ALPHABET), label="child's token")
@@ -321,9 +340,10 @@ class SharingMachine(RuleBasedStateMachine):
         self.processed[child.seq_id] = self.processed[parent.seq_id]
         _seen("fork")
 
-    @precondition(lambda self: self.running or self.admitted)
     @rule(data=st.data())
     def free(self, data):
+        if not (self.running or self.admitted):
+            return
         m, pool = self.m, self.pool
         live = {**self.running, **self.admitted}
         seq = live[data.draw(st.sampled_from(sorted(live)), label="finishes")]
@@ -331,7 +351,6 @@ class SharingMachine(RuleBasedStateMachine):
         m.free(seq)
         self.running.pop(seq.seq_id, None)
         self.admitted.pop(seq.seq_id, None)
-        self.freed.append(seq)
         for b in set(blocks):
             assert pool.ref_count[b] == counts[b] - blocks.count(b)
         released = [b for b in reversed(blocks) if counts[b] == 1]
@@ -387,18 +406,22 @@ class SharingMachine(RuleBasedStateMachine):
         assert logical == sum(len(t.blocks) for t in m.tables.values()) and physical == len(held)
 
 
-MACHINE_SETTINGS = settings(max_examples=60, stateful_step_count=40, deadline=None)
+MACHINE_SETTINGS = settings(max_examples=50, stateful_step_count=60, deadline=None)
 SharingMachine.TestCase.settings = MACHINE_SETTINGS
 TestSharingBlockManager = SharingMachine.TestCase
 
 
 def test_the_state_machine_reaches_the_interesting_cases():
     """Hits on free cached blocks, evictions, copy-on-write, forks and preemption all really happen
-    (otherwise the machine above would prove little about them)."""
+    (otherwise the machine above would prove little about them). Derandomized: the same examples every
+    run, so this check cannot flake; the machine above explores afresh each time."""
     COVERAGE.clear()
-    run_state_machine_as_test(SharingMachine, settings=settings(MACHINE_SETTINGS, max_examples=30))
+    run_state_machine_as_test(
+        SharingMachine, settings=settings(MACHINE_SETTINGS, max_examples=30, derandomize=True, database=None)
+    )
     for what in ("add: hit", "readmit: hit", "hit a free cached block", "evicted a cached block",
-                 "copy-on-write", "fork", "preempted", "add: refused"):
+                 "whole prompt cached: its last block recomputed", "copy-on-write", "fork", "preempted",
+                 "preempted a sequence that already made room", "add: refused"):
         assert COVERAGE.get(what, 0) > 0, f"never happened: {what} ({COVERAGE})"
 
 
@@ -676,7 +699,10 @@ def test_make_writable_records_the_copies_for_the_cache():
 @pytest.mark.parametrize("prompt_len", [5, 8])
 def test_n_holders_of_a_shared_partial_block_cost_n_minus_1_copies(n, prompt_len):
     """Parent + n forked children write their next token into the block they share: the first n each
-    copy it, and the last remaining holder writes in place - n copies for n + 1 holders."""
+    copy it, and the last remaining holder writes in place - n copies for n + 1 holders.
+
+    With a prompt of 8 (two whole blocks) that block was taken for the first new token before the fork and
+    holds nothing yet; it is copied all the same (a wasted copy, not a wrong one)."""
     m = SharingBlockManager(32, 4, watermark=0.0)
     parent = make_seq(0, list(range(prompt_len)))
     m.allocate(parent)
@@ -688,7 +714,8 @@ def test_n_holders_of_a_shared_partial_block_cost_n_minus_1_copies(n, prompt_len
     seqs = [parent]
     for c in range(1, n + 1):
         m.fork(0, c)
-        seqs.append(Sequence(replace(parent.request, req_id=c), num_generated=1, output_ids=[100 + c], kv_len=parent.kv_len))
+        child = Sequence(replace(parent.request, req_id=c), num_generated=1, output_ids=[100 + c], kv_len=parent.kv_len)
+        seqs.append(child)
     last = m.tables[0].blocks[prompt_len // 4]  # holds position prompt_len, written next step
     assert m.pool.ref_count[last] == n + 1
     for s in seqs:
