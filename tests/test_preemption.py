@@ -33,7 +33,8 @@ What this file proves:
   space, an unknown mode, ``SwapSpace(-1)`` and a non-positive token budget are ``ValueError``; a swap space
   too small for any victim serves every request correctly (by recompute, with the note); the engine never
   batches more tokens than ``max_num_batched_tokens`` allows, a prompt that waits for the budget is not
-  overtaken, and a sequence swapped out before its prefill ran counts its whole prompt when it comes back;
+  overtaken, and a sequence swapped out before its prefill ran counts its whole prompt when it comes back
+  (and waits for the budget as a new request would);
 * the victim is the most recently admitted sequence (ties: the later in the batch), and swapped sequences
   come back, in the order they left, before any new request is admitted (even one that would fit).
 """
@@ -767,6 +768,27 @@ def test_a_sequence_swapped_out_before_its_prefill_counts_its_prompt_against_the
     assert log[1]["admitted"] == [1] and log[1]["swapped"] == [1] and b.kv_len == 4
     assert log[3]["back"] == [1] and log[3]["admitted"] == [] and log[4]["admitted"] == [2]
     assert all(s.is_finished for s in (a, b, c)) and not sch.has_work
+    assert_all_free(m, sch.swap_space)
+
+
+def test_a_swapped_sequence_waits_for_the_budget_like_a_new_one():
+    """Budget 7, 14 one-token blocks. R1 (3 + 7 tokens) runs from step 0. At step 5, R0 (a 5-token prompt, 2
+    samples) and R2 (a 1-token prompt, 3 samples) are admitted (1 + 5 + 1 = 7 tokens), and both are swapped out
+    before their prefill ran. R2 comes back at step 6 and forks: 3 samples decode. At step 7 there is memory
+    for R0 again, but its 5 prompt tokens beside 3 decodes would make 8: R0 waits a step, as a new request
+    would (the runner checks the budget in every step that prefills)."""
+    m = make_manager("sharing", 14, 1)
+    sch = CheckedScheduler(m, preemption_mode="swap", swap_space=SwapSpace(100), max_num_batched_tokens=7)
+    r1 = Sequence(Request(1, 0.0, 3, 7, prompt_ids=[4, 5, 6]))
+    r0 = Sequence(Request(0, 0.0, 5, 6, prompt_ids=[5] * 5, tags={"n": 2}))
+    r2 = Sequence(Request(2, 0.0, 1, 2, prompt_ids=[6], tags={"n": 3}))
+    log = _drive(sch, {0: [r1], 5: [r0, r2]}, 40)
+    assert [(e.step, e.seq_id, e.mode) for e in sch.events][:2] == [(5, 2, "swap"), (5, 0, "swap")]
+    assert log[5]["admitted"] == [0, 2] and log[5]["swapped"] == [2, 0]
+    assert log[6]["back"] == [2] and len(log[6]["running"]) == 4  # R1, R2 and R2's two forked samples
+    assert log[7]["back"] == [] and log[7]["free_before"] >= 5 and log[7]["swapped"] == [0]
+    assert log[8]["back"] == [0]
+    assert len(sch.finished) == 1 + 2 + 3 and not sch.has_work
     assert_all_free(m, sch.swap_space)
 
 
