@@ -15,7 +15,7 @@ from typing import Callable
 
 import torch
 
-from .kv_cache import StepBatch, attention_over_context
+from .kv_cache import StepBatch, fused_attention_over_context
 
 Hole = tuple[int, int]  # (start, length)
 
@@ -202,7 +202,7 @@ class ContiguousKVCache:
         out = torch.empty_like(q)
         for sid, start, n, ctx in zip(batch.seq_ids, batch.starts, batch.query_lens, batch.context_lens):
             first = self.start[sid]
-            out[start : start + n] = attention_over_context(
+            out[start : start + n] = fused_attention_over_context(
                 q[start : start + n], self.k[layer, first : first + ctx], self.v[layer, first : first + ctx], scale
             )
         return out

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
+import torch.nn.functional as F
 
 
 @dataclass
@@ -109,6 +110,78 @@ def attention_over_context(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sc
     scores = scores.masked_fill(key_pos > query_pos, -math.inf)
     out = torch.einsum("hqk,khd->qhd", scores.softmax(dim=-1), vf)
     return out.to(q.dtype)
+
+
+def fused_attention_over_context(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """:func:`attention_over_context` through PyTorch's fused ``scaled_dot_product_attention`` (what the
+    caches call; the einsum version stays as the readable reference the tests compare with).
+
+    Same shapes and causal rule; computed in ``q``'s dtype. Fused means no ``[heads, q_len, ctx]`` score
+    tensor and no fp32 copies of K and V: on a CPU those copies, not the arithmetic, dominated a decode
+    step (measured in lesson 07's notes). Hugging Face's OPT attends through the same function.
+    """
+    q_len, heads, _ = q.shape
+    ctx, kv_heads, _ = k.shape
+    if ctx < q_len:
+        raise ValueError(f"context ({ctx}) is shorter than the queries ({q_len})")
+    if heads % kv_heads:
+        raise ValueError(f"{heads} query heads is not a multiple of {kv_heads} kv heads")
+    if heads != kv_heads:
+        k = k.repeat_interleave(heads // kv_heads, dim=1)
+        v = v.repeat_interleave(heads // kv_heads, dim=1)
+    mask = None
+    if 1 < q_len < ctx:  # queries are the last q_len tokens: query j sees keys 0 .. ctx - q_len + j
+        mask = torch.arange(ctx, device=q.device)[None, :] <= torch.arange(q_len, device=q.device)[:, None] + ctx - q_len
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1), k.to(q.dtype).transpose(0, 1), v.to(q.dtype).transpose(0, 1),
+        attn_mask=mask, is_causal=q_len == ctx and q_len > 1, scale=scale,
+    )
+    return out.transpose(0, 1)
+
+
+def decode_slot_index(first_slots_or_tables, context_lens: list[int], block_size: int | None, device) -> torch.Tensor:
+    """Flat cache slot of every context token of every decoding sequence, padded: ``[num_seqs, max_ctx]``.
+
+    Paged caches pass block tables and their ``block_size``: token ``p`` lives in slot
+    ``table[p // block_size] * block_size + p % block_size``. A contiguous arena passes each sequence's first
+    slot and ``block_size=None``: token ``p`` lives in slot ``first + p``. Entries past a sequence's context
+    repeat its last slot (any valid slot would do: :func:`decode_attention` masks them out).
+    """
+    max_ctx = max(context_lens)
+    pos = torch.arange(max_ctx)[None, :].minimum(torch.tensor(context_lens)[:, None] - 1)  # [num_seqs, max_ctx]
+    if block_size is None:
+        index = torch.tensor(first_slots_or_tables)[:, None] + pos
+    else:
+        width = max(len(t) for t in first_slots_or_tables)
+        tables = torch.tensor([list(t) + [0] * (width - len(t)) for t in first_slots_or_tables])
+        index = tables.gather(1, pos // block_size) * block_size + pos % block_size
+    return index.to(device)
+
+
+def decode_attention(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor, slot_index: torch.Tensor,
+                     context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """Attention of one new token per sequence, all sequences at once (the decode half of a step).
+
+    ``q``: ``[num_seqs, heads, d]``; ``k_flat``/``v_flat``: a layer's cache viewed as ``[num_slots, kv_heads, d]``;
+    ``slot_index``: ``[num_seqs, max_ctx]`` from :func:`decode_slot_index`; ``context_lens``: ``[num_seqs]``.
+    Keys at positions ``>= context_lens[i]`` are masked. Same maths as :func:`attention_over_context` with
+    ``q_len == 1`` per sequence (computed in fp32, returned in ``q``'s dtype), but one gather and two batched
+    matrix products instead of a Python loop over sequences: on a CPU that loop, not the arithmetic, is what
+    costs when dozens of sequences decode together.
+    """
+    n, heads, d = q.shape
+    kv_heads = k_flat.shape[1]
+    if heads % kv_heads:
+        raise ValueError(f"{heads} query heads is not a multiple of {kv_heads} kv heads")
+    group = heads // kv_heads
+    k = k_flat[slot_index].float()  # [n, max_ctx, kv_heads, d]
+    v = v_flat[slot_index].float()
+    qg = q.float().view(n, kv_heads, group, d)
+    scores = torch.einsum("nkgd,nckd->nkgc", qg, k) * scale  # [n, kv_heads, group, max_ctx]
+    pad = torch.arange(slot_index.shape[1], device=q.device)[None, :] >= context_lens.to(q.device)[:, None]
+    scores = scores.masked_fill(pad[:, None, None, :], -math.inf)
+    out = torch.einsum("nkgc,nckd->nkgd", scores.softmax(dim=-1), v)
+    return out.reshape(n, heads, d).to(q.dtype)
 
 
 class DenseKVCache:

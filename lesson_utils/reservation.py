@@ -151,7 +151,7 @@ class ReservedKVCache:
     one run through the same engine. Token ``p`` of a sequence lives in slot ``start + p``."""
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, manager: ContiguousReservationManager,
-                 *, dtype=None, device: str = "cpu"):
+                 *, dtype=None, device: str = "cpu", batched_decode: bool | None = None):
         import torch
 
         from .contiguous import slot_mapping
@@ -162,16 +162,30 @@ class ReservedKVCache:
         self.v = torch.zeros_like(self.k)
         self.k_cache = [self.k[i] for i in range(num_layers)]  # per-layer views (what a swap space would mirror)
         self._slot_mapping = slot_mapping
+        # as the paged cache: one batched decode attention on a GPU, a loop of fused calls on a CPU
+        self.batched_decode = torch.device(device).type == "cuda" if batched_decode is None else batched_decode
 
     @classmethod
     def for_model(cls, w, manager: ContiguousReservationManager, **kw) -> "ReservedKVCache":
         return cls(w.num_layers, w.num_heads, w.head_dim, manager, **kw)
 
     def prepare(self, batch) -> None:
+        import torch
+
+        from .kv_cache import decode_slot_index
+
         for sid, clen in zip(batch.seq_ids, batch.context_lens):
             if clen > self.manager.reserved[sid]:
                 raise NeverFits(f"sequence {sid} needs {clen} slots but reserved {self.manager.reserved[sid]}")
         batch.extra["slots"] = self._slot_mapping(batch, [self.manager.start[s] for s in batch.seq_ids])
+        decode = [i for i, n in enumerate(batch.query_lens) if n == 1] if self.batched_decode else []
+        batch.extra["decode"] = decode
+        if decode:  # the same batched decode attention as the paged cache: only where K/V live differs
+            ctx = [batch.context_lens[i] for i in decode]
+            first = [self.manager.start[batch.seq_ids[i]] for i in decode]
+            batch.extra["decode_rows"] = torch.tensor([batch.starts[i] for i in decode], device=self.k.device)
+            batch.extra["decode_ctx"] = torch.tensor(ctx, device=self.k.device)
+            batch.extra["decode_slots"] = decode_slot_index(first, ctx, None, self.k.device)
 
     def write(self, layer, batch, k, v):
         self.k[layer, batch.extra["slots"]] = k.to(self.k.dtype)
@@ -180,14 +194,21 @@ class ReservedKVCache:
     def attend(self, layer, batch, q, scale):
         import torch
 
-        from .kv_cache import attention_over_context
+        from .kv_cache import decode_attention, fused_attention_over_context
 
         out = torch.empty_like(q)
-        for sid, start, n, ctx in zip(batch.seq_ids, batch.starts, batch.query_lens, batch.context_lens):
+        skip = set(batch.extra["decode"])
+        for i, (sid, start, n, ctx) in enumerate(zip(batch.seq_ids, batch.starts, batch.query_lens, batch.context_lens)):
+            if i in skip:
+                continue
             first = self.manager.start[sid]
-            out[start : start + n] = attention_over_context(
+            out[start : start + n] = fused_attention_over_context(
                 q[start : start + n], self.k[layer, first : first + ctx], self.v[layer, first : first + ctx], scale
             )
+        if skip:
+            rows = batch.extra["decode_rows"]
+            out[rows] = decode_attention(q[rows], self.k[layer], self.v[layer], batch.extra["decode_slots"],
+                                         batch.extra["decode_ctx"], scale)
         return out
 
     def free(self, seq_id: int) -> None:

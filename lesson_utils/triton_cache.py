@@ -20,37 +20,29 @@ from .paged_cache import PagedKVCache
 
 class TritonPagedKVCache(PagedKVCache):
     def __init__(self, *args, variant: str = "tiled", **kw):
+        kw["batched_decode"] = True  # decode tokens always go to the kernel
         super().__init__(*args, **kw)
         self.variant = variant
 
     def prepare(self, batch):
         super().prepare(batch)
         device = self.k_cache[0].device
-        tables = batch.extra["block_tables"]
-        width = max(len(t) for t in tables)
-        padded = torch.zeros((len(tables), width), dtype=torch.int32)
-        for i, t in enumerate(tables):
-            padded[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
-        batch.extra["block_tables_t"] = padded.to(device)
-        batch.extra["context_lens_t"] = torch.tensor(batch.context_lens, dtype=torch.int32, device=device)
         batch.extra["slots_i32"] = batch.extra["slots"].to(device=device, dtype=torch.int32)
-        batch.extra["decode"] = [i for i, n in enumerate(batch.query_lens) if n == 1]
+        decode = batch.extra["decode"]
+        if decode:
+            tables = [batch.extra["block_tables"][i] for i in decode]
+            width = max(len(t) for t in tables)
+            padded = torch.zeros((len(tables), width), dtype=torch.int32)
+            for row, t in enumerate(tables):
+                padded[row, : len(t)] = torch.tensor(t, dtype=torch.int32)
+            batch.extra["block_tables_t"] = padded.to(device)
+            batch.extra["context_lens_t"] = batch.extra["decode_ctx"].to(torch.int32)
 
     def write(self, layer, batch, k, v):
         write_kv_to_cache(k, v, self.k_cache[layer], self.v_cache[layer], batch.extra["slots_i32"])
 
-    def attend(self, layer, batch, q, scale):
-        decode = batch.extra["decode"]
-        if len(decode) < len(batch.seq_ids):  # some sequences are prefilling: the gather path serves them
-            out = super().attend(layer, batch, q, scale)
-        else:
-            out = torch.empty_like(q)
-        if decode:
-            rows = torch.tensor([batch.starts[i] for i in decode], device=q.device)
-            sel = torch.tensor(decode, device=q.device)
-            out[rows] = paged_attention_decode(
-                q[rows], self.k_cache[layer], self.v_cache[layer],
-                batch.extra["block_tables_t"][sel], batch.extra["context_lens_t"][sel], scale,
-                variant=self.variant,
-            )
-        return out
+    def attend_decodes(self, layer, batch, q, scale):
+        return paged_attention_decode(
+            q, self.k_cache[layer], self.v_cache[layer], batch.extra["block_tables_t"],
+            batch.extra["context_lens_t"], scale, variant=self.variant,
+        )

@@ -40,7 +40,14 @@ from lesson_utils.block_table import (
     slot_mapping,
 )
 from lesson_utils.contiguous import NeverFits
-from lesson_utils.kv_cache import DenseKVCache, StepBatch, attention_over_context
+from lesson_utils.kv_cache import (
+    DenseKVCache,
+    StepBatch,
+    attention_over_context,
+    decode_attention,
+    decode_slot_index,
+    fused_attention_over_context,
+)
 from lesson_utils.paged_cache import PagedKVCache
 from lesson_utils.reservation import FREE, INTERNAL, TOKEN
 from lesson_utils.scheduler import Sequence
@@ -482,6 +489,72 @@ def test_paged_attention_context_length_one_and_zero():
         paged_attention_reference(q, k_cache, v_cache, tables, torch.tensor([3, 0]))
 
 
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (6, 2)])
+@pytest.mark.parametrize("q_len,ctx", [(1, 1), (1, 37), (5, 5), (3, 20), (16, 17)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_fused_attention_matches_the_reference(heads, kv_heads, q_len, ctx, dtype):
+    """The caches' fused attention == the readable einsum reference: decode, whole prompt (causal), and a
+    prompt continuing a cached prefix (queries are the last tokens)."""
+    gen = torch.Generator().manual_seed(q_len * 100 + ctx)
+    q = torch.randn(q_len, heads, 8, generator=gen).to(dtype)
+    k, v = (torch.randn(ctx, kv_heads, 8, generator=gen).to(dtype) for _ in range(2))
+    got = fused_attention_over_context(q, k, v, 0.4)
+    assert got.dtype == dtype and got.shape == q.shape
+    tol = {"atol": 2e-3, "rtol": 2e-3} if dtype == torch.float16 else {"atol": 1e-5, "rtol": 1e-5}
+    torch.testing.assert_close(got, attention_over_context(q, k, v, 0.4), **tol)
+
+
+def test_fused_attention_errors():
+    with pytest.raises(ValueError, match=r"context \(2\) is shorter than the queries \(3\)"):
+        fused_attention_over_context(torch.randn(3, 2, 4), torch.randn(2, 2, 4), torch.randn(2, 2, 4), 1.0)
+    with pytest.raises(ValueError, match="3 query heads is not a multiple of 2 kv heads"):
+        fused_attention_over_context(torch.randn(1, 3, 4), torch.randn(2, 2, 4), torch.randn(2, 2, 4), 1.0)
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (6, 2), (3, 1)])
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_batched_decode_attention_matches_one_sequence_at_a_time(heads, kv_heads, block_size, dtype):
+    """decode_attention (one gather, padded, masked) == attention_over_context per sequence, on shuffled
+    tables, context lengths from 1 to several blocks, and grouped-query heads."""
+    gen = torch.Generator().manual_seed(block_size * 10 + heads)
+    dim, num_blocks = 8, 40
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, dim, generator=gen).to(dtype)
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, dim, generator=gen).to(dtype)
+    perm = torch.randperm(num_blocks, generator=gen).tolist()
+    ctx = [1, block_size, block_size + 1, 3 * block_size - 1] + torch.randint(1, 5 * block_size, (4,), generator=gen).tolist()
+    tables, used = [], 0
+    for c in ctx:
+        n = blocks_needed(c, block_size)
+        tables.append(perm[used % num_blocks : used % num_blocks + n] if used % num_blocks + n <= num_blocks else perm[:n])
+        used += n
+    q = torch.randn(len(ctx), heads, dim, generator=gen).to(dtype)
+    index = decode_slot_index(tables, ctx, block_size, "cpu")
+    assert index.shape == (len(ctx), max(ctx))
+    got = decode_attention(q, k_cache.view(-1, kv_heads, dim), v_cache.view(-1, kv_heads, dim), index,
+                           torch.tensor(ctx), dim**-0.5)
+    assert got.dtype == dtype
+    tol = {"atol": 2e-3, "rtol": 2e-3} if dtype == torch.float16 else {"atol": 1e-5, "rtol": 1e-5}
+    for i, c in enumerate(ctx):
+        k, v = gather_kv(k_cache, tables[i], c), gather_kv(v_cache, tables[i], c)
+        torch.testing.assert_close(got[i], attention_over_context(q[i : i + 1], k, v, dim**-0.5)[0], **tol)
+
+
+def test_batched_decode_on_a_contiguous_arena_and_its_errors():
+    gen = torch.Generator().manual_seed(0)
+    k, v = torch.randn(50, 2, 4, generator=gen), torch.randn(50, 2, 4, generator=gen)
+    first, ctx = [30, 0, 7], [5, 1, 20]
+    index = decode_slot_index(first, ctx, None, "cpu")
+    assert index[0, :5].tolist() == [30, 31, 32, 33, 34] and index[1].max() == 0
+    q = torch.randn(3, 2, 4, generator=gen)
+    got = decode_attention(q, k, v, index, torch.tensor(ctx), 0.5)
+    for i in range(3):
+        sl = slice(first[i], first[i] + ctx[i])
+        torch.testing.assert_close(got[i], attention_over_context(q[i : i + 1], k[sl], v[sl], 0.5)[0])
+    with pytest.raises(ValueError, match="3 query heads is not a multiple of 2 kv heads"):
+        decode_attention(torch.randn(3, 3, 4), k, v, index, torch.tensor(ctx), 0.5)
+
+
 # ---------------------------------------------------------------------------------------------------
 # PagedKVCache vs the dense reference
 # ---------------------------------------------------------------------------------------------------
@@ -497,23 +570,27 @@ def _random_batch(gen, seq_ids, lens_before):
     return StepBatch.build(seq_ids, news, lens_before)
 
 
+@pytest.mark.parametrize("batched_decode", [True, False])
 @pytest.mark.parametrize("block_size", [1, 4, 16])
-def test_paged_cache_matches_dense_reference(block_size):
-    """Same K/V in, same attention out, step after step: prefills of random lengths, then decodes,
-    with sequences joining mid-way; afterwards every block is free again."""
+def test_paged_cache_matches_dense_reference(block_size, batched_decode):
+    """Same K/V in, same attention out, step after step: prefills of random lengths, then decodes (one
+    token: the batched path unless switched off; or a few), with sequences joining mid-way; afterwards
+    every block is free again."""
     gen = torch.Generator().manual_seed(block_size)
     layers, heads, dim, num_blocks = 2, 3, 8, 64
     manager = BlockManager(num_blocks, block_size, watermark=0.0)
     scramble_free_queue(manager.allocator, seed=block_size)
-    ours = PagedKVCache(layers, heads, dim, manager)
+    ours = PagedKVCache(layers, heads, dim, manager, batched_decode=batched_decode)
     ref = DenseKVCache(layers)
     lens: dict[int, int] = {0: 0, 1: 0, 2: 0}
+    batched_steps = 0
     for step in range(7):
         if step == 3:
             lens[3] = 0  # a newcomer is prefilled while the others decode
         ids = sorted(lens)
         batch = _random_batch(gen, ids, [lens[i] for i in ids])
         ours.prepare(batch), ref.prepare(batch)
+        batched_steps += bool(batch.extra["decode"])
         for sid, clen in zip(batch.seq_ids, batch.context_lens):
             assert len(manager.block_table(sid)) == blocks_needed(clen, block_size)
         manager.check_invariants()
@@ -524,6 +601,7 @@ def test_paged_cache_matches_dense_reference(block_size):
         for i, c in zip(batch.seq_ids, batch.context_lens):
             lens[i] = c
     assert any(manager.block_table(s) != sorted(manager.block_table(s)) for s in lens) or block_size == 16
+    assert (batched_steps > 0) == batched_decode  # the batched decode path ran (or was really off)
     # The cache stores exactly the dense K/V, reachable through the tables.
     for layer in range(layers):
         for sid, n in lens.items():
@@ -535,6 +613,35 @@ def test_paged_cache_matches_dense_reference(block_size):
     assert all(manager.allocator.is_free(b) for b in range(num_blocks))
     with pytest.raises(ValueError, match="already freed, or never admitted"):
         ours.free(0)
+
+
+@pytest.mark.parametrize("batched_decode", [True, False])
+def test_reserved_cache_matches_dense_reference(batched_decode):
+    """The naive engine's cache (contiguous reservations, lesson 07) attends like the dense reference,
+    through its per-sequence prefill path and its batched decode path."""
+    from lesson_utils.reservation import ContiguousReservationManager, ReservedKVCache
+
+    gen = torch.Generator().manual_seed(3)
+    layers, heads, dim = 2, 2, 8
+    manager = ContiguousReservationManager(200, "max", max_seq_len=60)
+    ours, ref = ReservedKVCache(layers, heads, dim, manager, batched_decode=batched_decode), DenseKVCache(layers)
+    lens = {0: 0, 1: 0, 2: 0}
+    for sid in lens:
+        manager.allocate(Sequence(Request(sid, 0.0, 5, 10)))
+    decoded = 0
+    for step in range(6):
+        ids = sorted(lens)
+        batch = _random_batch(gen, ids, [lens[i] for i in ids])
+        ours.prepare(batch), ref.prepare(batch)
+        decoded += len(batch.extra["decode"])
+        assert bool(batch.extra["decode"]) <= batched_decode
+        for layer in range(layers):
+            k, v, q = (torch.randn(batch.num_tokens, heads, dim, generator=gen) for _ in range(3))
+            ours.write(layer, batch, k, v), ref.write(layer, batch, k, v)
+            torch.testing.assert_close(ours.attend(layer, batch, q, 0.3), ref.attend(layer, batch, q, 0.3))
+        for i, c in zip(batch.seq_ids, batch.context_lens):
+            lens[i] = c
+    assert (decoded > 0) == batched_decode
 
 
 def test_paged_cache_geometry_for_a_model():
