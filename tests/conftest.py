@@ -7,3 +7,11 @@ import torch  # noqa: E402
 
 # pytest -n 2 runs two workers on two cores: one intra-op thread each avoids oversubscription.
 torch.set_num_threads(1)
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture
+def not_strict(monkeypatch):
+    """Checker tests look at results, so a failing checker must not raise (COURSE_STRICT unset)."""
+    monkeypatch.delenv("COURSE_STRICT", raising=False)

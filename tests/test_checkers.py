@@ -12,22 +12,13 @@ from lesson_utils import reservation as R
 from lesson_utils.checks import ExerciseFailed
 from lesson_utils.checks import lesson00, lesson01, lesson02
 
+from helpers import rejected
 
-def rejected(result, *needles):
-    assert not result.passed, result.message
-    assert result.implemented
-    for needle in needles:
-        assert needle in result.message, f"{needle!r} not in:\n{result.message}"
-    return True
+pytestmark = pytest.mark.usefixtures("not_strict")
 
 
 def unsolved(*args):
     raise NotImplementedError("Exercise 'x' is not solved yet")
-
-
-@pytest.fixture(autouse=True)
-def not_strict(monkeypatch):
-    monkeypatch.delenv("COURSE_STRICT", raising=False)
 
 
 def test_unsolved_is_reported_and_reference_used(capsys):

@@ -10,17 +10,9 @@ import triton.language as tl
 from lesson_utils import kernels as K
 from lesson_utils.checks import lesson04
 
+from helpers import rejected
 
-@pytest.fixture(autouse=True)
-def not_strict(monkeypatch):
-    monkeypatch.delenv("COURSE_STRICT", raising=False)
-
-
-def rejected(result, *needles):
-    assert not result.passed and result.implemented, result.message
-    for n in needles:
-        assert n in result.message, f"{n!r} not in:\n{result.message}"
-    return True
+pytestmark = pytest.mark.usefixtures("not_strict")
 
 
 @triton.jit

@@ -8,17 +8,9 @@ from lesson_utils import scheduler as S
 from lesson_utils import swap
 from lesson_utils.checks import lesson06
 
+from helpers import rejected
 
-@pytest.fixture(autouse=True)
-def not_strict(monkeypatch):
-    monkeypatch.delenv("COURSE_STRICT", raising=False)
-
-
-def rejected(result, *needles):
-    assert not result.passed and result.implemented, result.message
-    for n in needles:
-        assert n in result.message, f"{n!r} not in:\n{result.message}"
-    return True
+pytestmark = pytest.mark.usefixtures("not_strict")
 
 
 def test_references_pass():

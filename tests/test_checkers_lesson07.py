@@ -7,10 +7,9 @@ import pytest
 from lesson_utils.checks import lesson07
 from lesson_utils.engine import default_step
 
+from helpers import rejected
 
-@pytest.fixture(autouse=True)
-def not_strict(monkeypatch):
-    monkeypatch.delenv("COURSE_STRICT", raising=False)
+pytestmark = pytest.mark.usefixtures("not_strict")
 
 
 @pytest.fixture(scope="module")
@@ -20,13 +19,6 @@ def w():
     from lesson_utils.opt_forward import OPTWeights
 
     return OPTWeights.from_hf(load_model(profile=Profile(name="ci", device="cpu", device_name="test")).model)
-
-
-def rejected(result, *needles):
-    assert not result.passed and result.implemented, result.message
-    for n in needles:
-        assert n in result.message, f"{n!r} not in:\n{result.message}"
-    return True
 
 
 def test_reference_passes(w):

@@ -36,6 +36,8 @@ from lesson_utils.opt_forward import OPTWeights, generate_greedy
 from lesson_utils.paged_cache import PagedKVCache
 from lesson_utils.reservation import ContiguousReservationManager
 
+from helpers import hf_greedy
+
 CI = Profile(name="ci", device="cpu", device_name="test")
 N_NEW = 8
 # Lengths chosen around block boundaries for block sizes 1, 4 and 16 with N_NEW = 8 new tokens:
@@ -45,7 +47,6 @@ N_NEW = 8
 #   9, 25      the last token's K/V (prompt + 7 tokens are ever written) ends exactly on a boundary
 #   5, 13      neither
 PROMPT_LENS = [1, 4, 16, 8, 24, 40, 9, 25, 5, 13]
-MIN_MARGIN = 1e-4  # top-1 minus top-2 logit along HF's greedy path: far above fp32 noise (~1e-6)
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -78,28 +79,6 @@ def prompts(tiny) -> list[list[int]]:
     rng = random.Random(0)
     return [[rng.randrange(4, w.vocab_size) for _ in range(n)] for n in PROMPT_LENS]
 
-
-def hf_greedy(model, prompt: list[int], max_new_tokens: int, eos: int) -> list[int]:
-    """HF's greedy continuation of one unpadded prompt (generate stops right after eos, keeping it)."""
-    with torch.no_grad():
-        out = model.generate(
-            torch.tensor([prompt]),
-            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-            max_new_tokens=max_new_tokens,
-            min_new_tokens=0,
-            do_sample=False,
-            eos_token_id=eos,
-            pad_token_id=1,
-            output_scores=True,
-            return_dict_in_generate=True,
-        )
-    tokens = out.sequences[0, len(prompt) :].tolist()
-    for scores in out.scores:  # the argmax is well defined: no near-tie a rounding difference could flip
-        top2 = scores[0].topk(2).values
-        assert (top2[0] - top2[1]).item() > MIN_MARGIN, "near-tie on HF's greedy path; pick other prompts"
-    if eos in tokens:
-        tokens = tokens[: tokens.index(eos) + 1]
-    return tokens
 
 
 @pytest.fixture(scope="module")

@@ -44,12 +44,13 @@ from lesson_utils.opt_forward import OPTWeights
 from lesson_utils.paged_cache import PagedKVCache
 from lesson_utils.sharing import SharingBlockManager, prefix_hits
 
+from helpers import MIN_MARGIN, hf_greedy
+
 CI = Profile(name="ci", device="cpu", device_name="test")
 N_NEW = 8
 BS = 4
 SYSTEM_LEN = 40  # ten whole blocks of 4
 USER_LENS = [5, 3, 0, 12, 1, 4]  # 0: the prompt is exactly the system prompt (a multiple of the block size)
-MIN_MARGIN = 1e-4  # top-1 minus top-2 along a reference path: far above fp32 noise (~1e-6)
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -73,28 +74,6 @@ def tiny(one_torch_thread):
     """The ci profile's tiny random OPT and its weights, loaded once per process."""
     return _load_tiny()
 
-
-def hf_greedy(model, prompt: list[int], max_new_tokens: int, eos: int) -> list[int]:
-    """HF's greedy continuation of one unpadded prompt (generate stops right after eos, keeping it)."""
-    with torch.no_grad():
-        out = model.generate(
-            torch.tensor([prompt]),
-            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-            max_new_tokens=max_new_tokens,
-            min_new_tokens=0,
-            do_sample=False,
-            eos_token_id=eos,
-            pad_token_id=1,
-            output_scores=True,
-            return_dict_in_generate=True,
-        )
-    tokens = out.sequences[0, len(prompt) :].tolist()
-    for scores in out.scores:  # the argmax is well defined: no near-tie a rounding difference could flip
-        top2 = scores[0].topk(2).values
-        assert (top2[0] - top2[1]).item() > MIN_MARGIN, "near-tie on HF's greedy path; pick other prompts"
-    if eos in tokens:
-        tokens = tokens[: tokens.index(eos) + 1]
-    return tokens
 
 
 def sharing_engine(w, num_blocks: int, *, caching: bool = True, watermark: float = 0.01) -> Engine:

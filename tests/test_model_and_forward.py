@@ -23,6 +23,8 @@ from lesson_utils.kv_cache import DenseKVCache, StepBatch
 from lesson_utils.model import ByteTokenizer, LoadedModel, load_model, opt125m_config, tiny_opt_config
 from lesson_utils.opt_forward import OPTWeights, forward, generate_greedy
 
+from helpers import hf_greedy
+
 ATOL = 1e-4  # fp32, max |ours - HF| over all logits
 
 CI = Profile(name="ci", device="cpu", device_name="test")
@@ -286,22 +288,6 @@ def test_mixed_step_of_prefill_and_decode(opt_model):
 # ---------------------------------------------------------------------------------------------------
 
 
-def hf_greedy(model, prompt: list[int], max_new_tokens: int, eos: int | None) -> list[int]:
-    """HF's greedy continuation of one unpadded prompt, cut after the first eos as generate stops there."""
-    with torch.no_grad():
-        out = model.generate(
-            torch.tensor([prompt]),
-            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-            max_new_tokens=max_new_tokens,
-            min_new_tokens=0,
-            do_sample=False,
-            eos_token_id=eos,
-            pad_token_id=1,
-        )[0, len(prompt) :].tolist()
-    if eos is not None and eos in out:
-        out = out[: out.index(eos) + 1]
-    return out
-
 
 def test_greedy_generation_is_token_identical_to_hf(opt_model):
     w = OPTWeights.from_hf(opt_model)
@@ -314,7 +300,7 @@ def test_greedy_generation_is_token_identical_to_hf(opt_model):
     eos = min(counts, key=lambda t: (abs(counts[t] - len(prompts) / 2), t))
     w_eos = dataclasses.replace(w, eos_token_id=eos)
 
-    expected = [hf_greedy(opt_model, p, n_new, eos) for p in prompts]
+    expected = [hf_greedy(opt_model, p, n_new, eos, check_ties=False) for p in prompts]
     assert any(len(e) < n_new for e in expected) and any(len(e) == n_new for e in expected)
 
     batch_cache = DenseKVCache(w.num_layers)
@@ -332,7 +318,7 @@ def test_greedy_without_eos_stop_matches_hf(opt_model):
     w = OPTWeights.from_hf(opt_model)
     prompts = random_prompts(4, w.vocab_size, seed=5)
     got = generate_greedy(w, DenseKVCache(w.num_layers), prompts, 6, stop_at_eos=False)
-    assert got == [hf_greedy(opt_model, p, 6, None) for p in prompts]
+    assert got == [hf_greedy(opt_model, p, 6, None, check_ties=False) for p in prompts]
 
 
 def test_generation_input_errors(opt_model):

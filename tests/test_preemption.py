@@ -63,8 +63,9 @@ from lesson_utils.sharing import SharingBlockManager
 from lesson_utils.swap import SwapSpace
 from lesson_utils.workloads import Request
 
+from helpers import hf_greedy
+
 CI = Profile(name="ci", device="cpu", device_name="test")
-MIN_MARGIN = 1e-4  # top-1 minus top-2 logit along HF's greedy path: far above fp32 noise (~1e-6)
 FALLBACK = "fell back to recompute"
 
 
@@ -89,28 +90,6 @@ def tiny(one_torch_thread):
     """The ci profile's tiny random OPT (2 layers, hidden 64, vocab 320, 512 positions), loaded once per process."""
     return _load_tiny()
 
-
-def hf_greedy(model, prompt: list[int], max_new_tokens: int, eos: int) -> list[int]:
-    """HF's greedy continuation of one unpadded prompt (generate stops right after eos, keeping it)."""
-    with torch.no_grad():
-        out = model.generate(
-            torch.tensor([prompt]),
-            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-            max_new_tokens=max_new_tokens,
-            min_new_tokens=0,
-            do_sample=False,
-            eos_token_id=eos,
-            pad_token_id=1,
-            output_scores=True,
-            return_dict_in_generate=True,
-        )
-    tokens = out.sequences[0, len(prompt) :].tolist()
-    for scores in out.scores:  # the argmax is well defined: no near-tie a rounding difference could flip
-        top2 = scores[0].topk(2).values
-        assert (top2[0] - top2[1]).item() > MIN_MARGIN, "near-tie on HF's greedy path; pick other prompts"
-    if eos in tokens:
-        tokens = tokens[: tokens.index(eos) + 1]
-    return tokens
 
 
 # ---------------------------------------------------------------------------------------------------
