@@ -86,6 +86,17 @@ class KVCache(Protocol):
         """Forget a finished sequence and give its memory back."""
 
 
+def _check_shapes(q: torch.Tensor, k: torch.Tensor) -> tuple[int, int, int]:
+    """``(q_len, ctx, query heads per kv head)`` of one sequence's attention, or a clear error."""
+    q_len, heads, _ = q.shape
+    ctx, kv_heads, _ = k.shape
+    if ctx < q_len:
+        raise ValueError(f"context ({ctx}) is shorter than the queries ({q_len})")
+    if heads % kv_heads:
+        raise ValueError(f"{heads} query heads is not a multiple of {kv_heads} kv heads")
+    return q_len, ctx, heads // kv_heads
+
+
 def attention_over_context(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
     """Reference attention for one sequence.
 
@@ -94,13 +105,7 @@ def attention_over_context(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sc
     ``kv_heads`` (grouped-query attention). Query ``j`` sees keys ``0 .. ctx - q_len + j``.
     Computed in fp32, returned in ``q``'s dtype.
     """
-    q_len, heads, _ = q.shape
-    ctx, kv_heads, _ = k.shape
-    if ctx < q_len:
-        raise ValueError(f"context ({ctx}) is shorter than the queries ({q_len})")
-    if heads % kv_heads:
-        raise ValueError(f"{heads} query heads is not a multiple of {kv_heads} kv heads")
-    group = heads // kv_heads
+    q_len, ctx, group = _check_shapes(q, k)
     kf = k.float().repeat_interleave(group, dim=1)  # [ctx, heads, d]
     vf = v.float().repeat_interleave(group, dim=1)
     scores = torch.einsum("qhd,khd->hqk", q.float(), kf) * scale
@@ -117,18 +122,13 @@ def fused_attention_over_context(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     caches call; the einsum version stays as the readable reference the tests compare with).
 
     Same shapes and causal rule; computed in ``q``'s dtype. Fused means no ``[heads, q_len, ctx]`` score
-    tensor and no fp32 copies of K and V: on a CPU those copies, not the arithmetic, dominated a decode
-    step (measured in lesson 07's notes). Hugging Face's OPT attends through the same function.
+    tensor and no fp32 copies of K and V: on a CPU those copies, not the arithmetic, dominated attention
+    (a capstone-sized decode step on the 2-core CI machine went from 395 to 266 ms). Hugging Face's OPT
+    attends through the same function.
     """
-    q_len, heads, _ = q.shape
-    ctx, kv_heads, _ = k.shape
-    if ctx < q_len:
-        raise ValueError(f"context ({ctx}) is shorter than the queries ({q_len})")
-    if heads % kv_heads:
-        raise ValueError(f"{heads} query heads is not a multiple of {kv_heads} kv heads")
-    if heads != kv_heads:
-        k = k.repeat_interleave(heads // kv_heads, dim=1)
-        v = v.repeat_interleave(heads // kv_heads, dim=1)
+    q_len, ctx, group = _check_shapes(q, k)
+    if group > 1:
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
     mask = None
     if 1 < q_len < ctx:  # queries are the last q_len tokens: query j sees keys 0 .. ctx - q_len + j
         mask = torch.arange(ctx, device=q.device)[None, :] <= torch.arange(q_len, device=q.device)[:, None] + ctx - q_len

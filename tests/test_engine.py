@@ -18,27 +18,22 @@ What this file proves:
 from __future__ import annotations
 
 import dataclasses
-import functools
 import random
 
 import numpy as np
 import pytest
-import torch
 
 from lesson_utils import simulator, workloads
 from lesson_utils.block_manager import BlockManager
 from lesson_utils.block_table import blocks_needed
 from lesson_utils.contiguous import NeverFits
 from lesson_utils.engine import Engine
-from lesson_utils.env import Profile
-from lesson_utils.model import load_model
-from lesson_utils.opt_forward import OPTWeights, generate_greedy
+from lesson_utils.opt_forward import generate_greedy
 from lesson_utils.paged_cache import PagedKVCache
 from lesson_utils.reservation import ContiguousReservationManager
 
 from helpers import hf_greedy
 
-CI = Profile(name="ci", device="cpu", device_name="test")
 N_NEW = 8
 # Lengths chosen around block boundaries for block sizes 1, 4 and 16 with N_NEW = 8 new tokens:
 #   1          a one-token prompt (just bos, in real use)
@@ -49,36 +44,11 @@ N_NEW = 8
 PROMPT_LENS = [1, 4, 16, 8, 24, 40, 9, 25, 5, 13]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    """The model is tiny: a second intra-op thread only adds wake-up latency per op on a busy 2-core
-    runner, so run this module single-threaded and restore the setting after."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@functools.lru_cache(maxsize=1)
-def _load_tiny():
-    lm = load_model(profile=CI)
-    return lm.model, OPTWeights.from_hf(lm.model)
-
-
-@pytest.fixture(scope="module")
-def tiny(one_torch_thread):
-    """The ci profile's tiny random OPT (2 layers, hidden 64, vocab 320, 512 positions) and its weights.
-
-    Loaded once per process, even if xdist hands this module's tests to a worker in several chunks."""
-    return _load_tiny()
-
-
 @pytest.fixture(scope="module")
 def prompts(tiny) -> list[list[int]]:
     _, w = tiny
     rng = random.Random(0)
     return [[rng.randrange(4, w.vocab_size) for _ in range(n)] for n in PROMPT_LENS]
-
 
 
 @pytest.fixture(scope="module")

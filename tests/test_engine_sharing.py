@@ -28,7 +28,6 @@ What this file proves (the ci profile's tiny random OPT, fp32, ``SharingBlockMan
 
 from __future__ import annotations
 
-import functools
 import random
 
 import numpy as np
@@ -38,42 +37,15 @@ import torch
 from lesson_utils import simulator, workloads
 from lesson_utils.block_table import blocks_needed
 from lesson_utils.engine import Engine
-from lesson_utils.env import Profile
-from lesson_utils.model import load_model
-from lesson_utils.opt_forward import OPTWeights
 from lesson_utils.paged_cache import PagedKVCache
 from lesson_utils.sharing import SharingBlockManager, prefix_hits
 
 from helpers import MIN_MARGIN, hf_greedy
 
-CI = Profile(name="ci", device="cpu", device_name="test")
 N_NEW = 8
 BS = 4
 SYSTEM_LEN = 40  # ten whole blocks of 4
 USER_LENS = [5, 3, 0, 12, 1, 4]  # 0: the prompt is exactly the system prompt (a multiple of the block size)
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    """The model is tiny: a second intra-op thread only adds wake-up latency per op on a busy 2-core
-    runner, so run this module single-threaded and restore the setting after."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@functools.lru_cache(maxsize=1)
-def _load_tiny():
-    lm = load_model(profile=CI)
-    return lm.model, OPTWeights.from_hf(lm.model)
-
-
-@pytest.fixture(scope="module")
-def tiny(one_torch_thread):
-    """The ci profile's tiny random OPT and its weights, loaded once per process."""
-    return _load_tiny()
-
 
 
 def sharing_engine(w, num_blocks: int, *, caching: bool = True, watermark: float = 0.01) -> Engine:

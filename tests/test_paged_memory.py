@@ -54,16 +54,6 @@ from lesson_utils.scheduler import Sequence
 from lesson_utils.workloads import Request
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    """Tensors here are tiny: a second intra-op thread only adds wake-up latency (milliseconds per op
-    on a busy 2-core runner), so run this module single-threaded and restore the setting after."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def make_seq(seq_id: int, prompt_len: int, output_len: int = 1000) -> Sequence:
     return Sequence(Request(seq_id, 0.0, prompt_len, output_len))
 

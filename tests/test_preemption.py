@@ -41,7 +41,6 @@ What this file proves:
 
 from __future__ import annotations
 
-import functools
 import random
 import re
 from dataclasses import replace
@@ -54,9 +53,6 @@ from lesson_utils.block_manager import BlockManager
 from lesson_utils.block_table import blocks_needed, gather_kv
 from lesson_utils.contiguous import NeverFits
 from lesson_utils.engine import Engine
-from lesson_utils.env import Profile
-from lesson_utils.model import load_model
-from lesson_utils.opt_forward import OPTWeights
 from lesson_utils.paged_cache import PagedKVCache
 from lesson_utils.scheduler import FCFSScheduler, Sequence, most_recently_admitted
 from lesson_utils.sharing import SharingBlockManager
@@ -65,31 +61,7 @@ from lesson_utils.workloads import Request
 
 from helpers import hf_greedy
 
-CI = Profile(name="ci", device="cpu", device_name="test")
 FALLBACK = "fell back to recompute"
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    """The model is tiny: a second intra-op thread only adds wake-up latency per op on a busy 2-core
-    runner, so run this module single-threaded and restore the setting after."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@functools.lru_cache(maxsize=1)
-def _load_tiny():
-    lm = load_model(profile=CI)
-    return lm.model, OPTWeights.from_hf(lm.model)
-
-
-@pytest.fixture(scope="module")
-def tiny(one_torch_thread):
-    """The ci profile's tiny random OPT (2 layers, hidden 64, vocab 320, 512 positions), loaded once per process."""
-    return _load_tiny()
-
 
 
 # ---------------------------------------------------------------------------------------------------

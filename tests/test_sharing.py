@@ -35,7 +35,6 @@ from collections import OrderedDict
 from dataclasses import replace
 
 import pytest
-import torch
 from hypothesis import event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule, run_state_machine_as_test
@@ -46,15 +45,6 @@ from lesson_utils.block_table import BlockTable, blocks_needed
 from lesson_utils.scheduler import Sequence
 from lesson_utils.sharing import SharingBlockManager, copy_on_write, fork_table, prefix_hits
 from lesson_utils.workloads import Request
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    """Nothing here needs more than one thread (house style; restores the setting after)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 ALPHABET = (0, 1, 2)  # few distinct tokens: prompts share prefixes, so the prefix cache really hits
