@@ -139,6 +139,23 @@ def fused_attention_over_context(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     return out.transpose(0, 1)
 
 
+def mark_decodes(batch: StepBatch, enabled: bool, device) -> list[int]:
+    """Which sequences of ``batch`` decode one token this step (all of them at once, when ``enabled``).
+
+    Sets ``batch.extra["decode"]`` (their indices in the batch; empty when not ``enabled``) and, if any,
+    ``batch.extra["decode_rows"]`` (their rows in the flat batch) and ``batch.extra["decode_ctx"]`` (their
+    context lengths), both tensors on ``device``. A cache calls it in ``prepare``; ``attend`` then serves
+    the other sequences one by one and these together.
+    """
+    decode = [i for i, n in enumerate(batch.query_lens) if n == 1] if enabled else []
+    batch.extra["decode"] = decode
+    if decode:
+        starts = batch.starts
+        batch.extra["decode_rows"] = torch.tensor([starts[i] for i in decode], device=device)
+        batch.extra["decode_ctx"] = torch.tensor([batch.context_lens[i] for i in decode], device=device)
+    return decode
+
+
 def decode_slot_index(first_slots_or_tables, context_lens: list[int], block_size: int | None, device) -> torch.Tensor:
     """Flat cache slot of every context token of every decoding sequence, padded: ``[num_seqs, max_ctx]``.
 
@@ -166,8 +183,8 @@ def decode_attention(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor
     ``slot_index``: ``[num_seqs, max_ctx]`` from :func:`decode_slot_index`; ``context_lens``: ``[num_seqs]``.
     Keys at positions ``>= context_lens[i]`` are masked. Same maths as :func:`attention_over_context` with
     ``q_len == 1`` per sequence (computed in fp32, returned in ``q``'s dtype), but one gather and two batched
-    matrix products instead of a Python loop over sequences: on a CPU that loop, not the arithmetic, is what
-    costs when dozens of sequences decode together.
+    matrix products instead of a Python loop over sequences - the better trade on a GPU, where every call in
+    that loop is a kernel launch. On a CPU the loop wins (see :mod:`lesson_utils.paged_cache`).
     """
     n, heads, d = q.shape
     kv_heads = k_flat.shape[1]

@@ -28,7 +28,7 @@ import torch
 
 from .block_manager import BlockManager
 from .block_table import gather_kv, slot_mapping
-from .kv_cache import StepBatch, decode_attention, decode_slot_index, fused_attention_over_context
+from .kv_cache import StepBatch, decode_attention, decode_slot_index, fused_attention_over_context, mark_decodes
 
 
 class PagedKVCache:
@@ -86,14 +86,7 @@ class PagedKVCache:
             self.copy_block(src, dst)
         batch.extra["slots"] = self._slot_mapping(batch, tables, self.block_size)
         batch.extra["block_tables"] = tables
-        decode = [i for i, n in enumerate(batch.query_lens) if n == 1] if self.batched_decode else []
-        batch.extra["decode"] = decode
-        if decode:
-            device = self.k_cache[0].device
-            ctx = [batch.context_lens[i] for i in decode]
-            batch.extra["decode_rows"] = torch.tensor([batch.starts[i] for i in decode], device=device)
-            batch.extra["decode_ctx"] = torch.tensor(ctx, device=device)
-            batch.extra["decode_slots"] = decode_slot_index([tables[i] for i in decode], ctx, self.block_size, device)
+        mark_decodes(batch, self.batched_decode, self.k_cache[0].device)
 
     def swap_out(self, copies: list[tuple[int, int]], space) -> None:
         """Copy ``(gpu, cpu)`` blocks into the swap space's CPU tensors (lesson 06)."""
@@ -145,6 +138,12 @@ class PagedKVCache:
 
     def attend_decodes(self, layer, batch, q, scale):
         """Attention of the decoding sequences' new tokens (``q``: ``[num_decodes, heads, d]``), all at once."""
+        if "decode_slots" not in batch.extra:  # built at the first layer, reused by the others
+            decode = batch.extra["decode"]
+            batch.extra["decode_slots"] = decode_slot_index(
+                [batch.extra["block_tables"][i] for i in decode], [batch.context_lens[i] for i in decode],
+                self.block_size, q.device,
+            )
         kc, vc = self.k_cache[layer], self.v_cache[layer]
         return decode_attention(q, kc.view(-1, *kc.shape[2:]), vc.view(-1, *vc.shape[2:]),
                                 batch.extra["decode_slots"], batch.extra["decode_ctx"], scale)

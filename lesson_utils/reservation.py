@@ -170,21 +170,16 @@ class ReservedKVCache:
         return cls(w.num_layers, w.num_heads, w.head_dim, manager, **kw)
 
     def prepare(self, batch) -> None:
-        import torch
-
-        from .kv_cache import decode_slot_index
+        from .kv_cache import decode_slot_index, mark_decodes
 
         for sid, clen in zip(batch.seq_ids, batch.context_lens):
             if clen > self.manager.reserved[sid]:
                 raise NeverFits(f"sequence {sid} needs {clen} slots but reserved {self.manager.reserved[sid]}")
         batch.extra["slots"] = self._slot_mapping(batch, [self.manager.start[s] for s in batch.seq_ids])
-        decode = [i for i, n in enumerate(batch.query_lens) if n == 1] if self.batched_decode else []
-        batch.extra["decode"] = decode
+        decode = mark_decodes(batch, self.batched_decode, self.k.device)
         if decode:  # the same batched decode attention as the paged cache: only where K/V live differs
-            ctx = [batch.context_lens[i] for i in decode]
             first = [self.manager.start[batch.seq_ids[i]] for i in decode]
-            batch.extra["decode_rows"] = torch.tensor([batch.starts[i] for i in decode], device=self.k.device)
-            batch.extra["decode_ctx"] = torch.tensor(ctx, device=self.k.device)
+            ctx = [batch.context_lens[i] for i in decode]
             batch.extra["decode_slots"] = decode_slot_index(first, ctx, None, self.k.device)
 
     def write(self, layer, batch, k, v):
