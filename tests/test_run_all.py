@@ -190,3 +190,21 @@ def test_cli_compare_with_a_missing_summary_fails_before_running(tmp_path, capsy
     with pytest.raises(SystemExit) as exc:
         run_all.main(["--root", str(tmp_path), "--compare", str(tmp_path / "nope" / "summary.json")])
     assert exc.value.code == 2 and "--compare" in capsys.readouterr().err
+
+
+def test_recorded_runs_are_complete_and_comparable():
+    """Every run kept in docs/recorded_runs loads for --compare, covers every lesson's solution notebook, and
+    its report's figures are there (an instructor compares a class machine against these)."""
+    root = Path(__file__).resolve().parents[1]
+    lessons = {p.name for p in (root / "solutions").glob("[0-9][0-9]_*.ipynb")}
+    recorded = sorted(p for p in (root / "docs" / "recorded_runs").iterdir() if p.is_dir())
+    assert recorded, "no recorded run in docs/recorded_runs"
+    for folder in recorded:
+        summary = run_all.load_summary(folder / "summary.json")
+        ran = {Path(nb["path"]).name for nb in summary["notebooks"] if nb["kind"] == "solutions"}
+        assert ran == lessons, f"{folder.name}: lessons missing from the record: {sorted(lessons - ran)}"
+        assert summary["failed"] == 0 and all(nb["device_name"] for nb in summary["notebooks"])
+        for nb in summary["notebooks"]:
+            for fig in nb["figures"]:
+                assert (folder / fig).is_file(), f"{folder.name}: figure {fig} is missing"
+        assert (folder / "report.md").is_file()
