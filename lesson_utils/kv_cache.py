@@ -182,23 +182,22 @@ def decode_attention(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor
     ``q``: ``[num_seqs, heads, d]``; ``k_flat``/``v_flat``: a layer's cache viewed as ``[num_slots, kv_heads, d]``;
     ``slot_index``: ``[num_seqs, max_ctx]`` from :func:`decode_slot_index`; ``context_lens``: ``[num_seqs]``.
     Keys at positions ``>= context_lens[i]`` are masked. Same maths as :func:`attention_over_context` with
-    ``q_len == 1`` per sequence (computed in fp32, returned in ``q``'s dtype), but one gather and two batched
-    matrix products instead of a Python loop over sequences - the better trade on a GPU, where every call in
-    that loop is a kernel launch. On a CPU the loop wins (see :mod:`lesson_utils.paged_cache`).
+    ``q_len == 1`` per sequence, through the fused attention (computed in ``q``'s dtype), but one gather and
+    one call instead of a Python loop over sequences - the better trade on a GPU, where every call in that
+    loop is a kernel launch. On a CPU the loop wins (see :mod:`lesson_utils.paged_cache`).
     """
     n, heads, d = q.shape
     kv_heads = k_flat.shape[1]
     if heads % kv_heads:
         raise ValueError(f"{heads} query heads is not a multiple of {kv_heads} kv heads")
     group = heads // kv_heads
-    k = k_flat[slot_index].float()  # [n, max_ctx, kv_heads, d]
-    v = v_flat[slot_index].float()
-    qg = q.float().view(n, kv_heads, group, d)
-    scores = torch.einsum("nkgd,nckd->nkgc", qg, k) * scale  # [n, kv_heads, group, max_ctx]
-    pad = torch.arange(slot_index.shape[1], device=q.device)[None, :] >= context_lens.to(q.device)[:, None]
-    scores = scores.masked_fill(pad[:, None, None, :], -math.inf)
-    out = torch.einsum("nkgc,nckd->nkgd", scores.softmax(dim=-1), v)
-    return out.reshape(n, heads, d).to(q.dtype)
+    k = k_flat[slot_index].to(q.dtype).transpose(1, 2)  # [n, kv_heads, max_ctx, d]
+    v = v_flat[slot_index].to(q.dtype).transpose(1, 2)
+    if group > 1:
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    keep = torch.arange(slot_index.shape[1], device=q.device)[None, :] < context_lens.to(q.device)[:, None]
+    out = F.scaled_dot_product_attention(q[:, :, None, :], k, v, attn_mask=keep[:, None, None, :], scale=scale)
+    return out[:, :, 0, :]
 
 
 class DenseKVCache:
