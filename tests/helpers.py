@@ -44,3 +44,30 @@ def rejected(result, *needles) -> bool:
     for needle in needles:
         assert needle in result.message, f"{needle!r} not in:\n{result.message}"
     return True
+
+
+def random_step(gen, seq_ids, lens_before, *, prompt_most: int = 20, then_most: int = 4):
+    """A StepBatch of random token ids: 1 to ``prompt_most - 1`` tokens for a sequence with nothing cached
+    yet (its prompt), 1 to ``then_most - 1`` for one already cached (one token: a decode)."""
+    from lesson_utils.kv_cache import StepBatch
+
+    news = []
+    for before in lens_before:
+        n = int(torch.randint(1, prompt_most if before == 0 else then_most, (1,), generator=gen))
+        news.append(torch.randint(4, 100, (n,), generator=gen).tolist())
+    return StepBatch.build(seq_ids, news, lens_before)
+
+
+def step_beside_dense(cache, ref, gen, lens: dict[int, int], heads: int, dim: int, **step_kw):
+    """Run one random step through ``cache`` and the dense reference ``ref`` side by side: every layer's
+    attention must match. Updates ``lens`` (sequence id -> tokens cached) and returns the batch."""
+    ids = sorted(lens)
+    batch = random_step(gen, ids, [lens[i] for i in ids], **step_kw)
+    cache.prepare(batch), ref.prepare(batch)
+    for layer in range(ref.num_layers):
+        k, v, q = (torch.randn(batch.num_tokens, heads, dim, generator=gen) for _ in range(3))
+        cache.write(layer, batch, k, v), ref.write(layer, batch, k, v)
+        torch.testing.assert_close(cache.attend(layer, batch, q, 0.3), ref.attend(layer, batch, q, 0.3))
+    for i, c in zip(batch.seq_ids, batch.context_lens):
+        lens[i] = c
+    return batch

@@ -12,6 +12,8 @@ from lesson_utils import contiguous
 from lesson_utils.contiguous import FirstFitAllocator, NeverFits, OutOfSlots
 from lesson_utils.kv_cache import DenseKVCache, StepBatch
 
+from helpers import step_beside_dense
+
 
 class AllocatorMachine(RuleBasedStateMachine):
     """Random allocate / free sequences; the allocator's invariants hold after every step."""
@@ -90,11 +92,6 @@ def test_external_fragmentation_refuses_although_enough_is_free():
         a.allocate(64)
 
 
-def _random_batch(gen, seq_ids, lens_before):
-    news = [torch.randint(4, 100, (int(torch.randint(1, 5, (1,), generator=gen)),), generator=gen).tolist() for _ in seq_ids]
-    return StepBatch.build(seq_ids, news, lens_before)
-
-
 def test_contiguous_cache_matches_dense_reference():
     """Same K/V in, same attention out, step after step, for sequences of different lengths."""
     gen = torch.Generator().manual_seed(0)
@@ -103,15 +100,7 @@ def test_contiguous_cache_matches_dense_reference():
     ref = DenseKVCache(layers)
     lens = {0: 0, 1: 0, 2: 0}
     for _ in range(5):
-        ids = sorted(lens)
-        batch = _random_batch(gen, ids, [lens[i] for i in ids])
-        ours.prepare(batch), ref.prepare(batch)
-        for layer in range(layers):
-            k, v, q = (torch.randn(batch.num_tokens, heads, dim, generator=gen) for _ in range(3))
-            ours.write(layer, batch, k, v), ref.write(layer, batch, k, v)
-            torch.testing.assert_close(ours.attend(layer, batch, q, 0.3), ref.attend(layer, batch, q, 0.3))
-        for i, c in zip(batch.seq_ids, batch.context_lens):
-            lens[i] = c
+        step_beside_dense(ours, ref, gen, lens, heads, dim, prompt_most=5, then_most=5)
     for sid in lens:
         ours.free(sid)
     assert ours.allocator.free_slots == 128

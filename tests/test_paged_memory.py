@@ -53,6 +53,8 @@ from lesson_utils.reservation import FREE, INTERNAL, TOKEN
 from lesson_utils.scheduler import Sequence
 from lesson_utils.workloads import Request
 
+from helpers import step_beside_dense
+
 
 def make_seq(seq_id: int, prompt_len: int, output_len: int = 1000) -> Sequence:
     return Sequence(Request(seq_id, 0.0, prompt_len, output_len))
@@ -550,16 +552,6 @@ def test_batched_decode_on_a_contiguous_arena_and_its_errors():
 # ---------------------------------------------------------------------------------------------------
 
 
-def _random_batch(gen, seq_ids, lens_before):
-    """A whole prompt (1-19 tokens) for a new sequence; 1-3 tokens for one already cached."""
-    news = []
-    for before in lens_before:
-        most = 20 if before == 0 else 4
-        n = int(torch.randint(1, most, (1,), generator=gen))
-        news.append(torch.randint(4, 100, (n,), generator=gen).tolist())
-    return StepBatch.build(seq_ids, news, lens_before)
-
-
 @pytest.mark.parametrize("batched_decode", [True, False])
 @pytest.mark.parametrize("block_size", [1, 4, 16])
 def test_paged_cache_matches_dense_reference(block_size, batched_decode):
@@ -577,19 +569,11 @@ def test_paged_cache_matches_dense_reference(block_size, batched_decode):
     for step in range(7):
         if step == 3:
             lens[3] = 0  # a newcomer is prefilled while the others decode
-        ids = sorted(lens)
-        batch = _random_batch(gen, ids, [lens[i] for i in ids])
-        ours.prepare(batch), ref.prepare(batch)
+        batch = step_beside_dense(ours, ref, gen, lens, heads, dim)
         batched_steps += bool(batch.extra["decode"])
         for sid, clen in zip(batch.seq_ids, batch.context_lens):
             assert len(manager.block_table(sid)) == blocks_needed(clen, block_size)
         manager.check_invariants()
-        for layer in range(layers):
-            k, v, q = (torch.randn(batch.num_tokens, heads, dim, generator=gen) for _ in range(3))
-            ours.write(layer, batch, k, v), ref.write(layer, batch, k, v)
-            torch.testing.assert_close(ours.attend(layer, batch, q, 0.3), ref.attend(layer, batch, q, 0.3))
-        for i, c in zip(batch.seq_ids, batch.context_lens):
-            lens[i] = c
     assert any(manager.block_table(s) != sorted(manager.block_table(s)) for s in lens) or block_size == 16
     assert (batched_steps > 0) == batched_decode  # the batched decode path ran (or was really off)
     # The cache stores exactly the dense K/V, reachable through the tables.
@@ -620,17 +604,9 @@ def test_reserved_cache_matches_dense_reference(batched_decode):
         manager.allocate(Sequence(Request(sid, 0.0, 5, 10)))
     decoded = 0
     for step in range(6):
-        ids = sorted(lens)
-        batch = _random_batch(gen, ids, [lens[i] for i in ids])
-        ours.prepare(batch), ref.prepare(batch)
+        batch = step_beside_dense(ours, ref, gen, lens, heads, dim)
         decoded += len(batch.extra["decode"])
         assert bool(batch.extra["decode"]) <= batched_decode
-        for layer in range(layers):
-            k, v, q = (torch.randn(batch.num_tokens, heads, dim, generator=gen) for _ in range(3))
-            ours.write(layer, batch, k, v), ref.write(layer, batch, k, v)
-            torch.testing.assert_close(ours.attend(layer, batch, q, 0.3), ref.attend(layer, batch, q, 0.3))
-        for i, c in zip(batch.seq_ids, batch.context_lens):
-            lens[i] = c
     assert (decoded > 0) == batched_decode
 
 
