@@ -71,3 +71,16 @@ def step_beside_dense(cache, ref, gen, lens: dict[int, int], heads: int, dim: in
     for i, c in zip(batch.seq_ids, batch.context_lens):
         lens[i] = c
     return batch
+
+
+def assert_simulation_complete(res, requests, total_slots: int) -> None:
+    """A simulation finished every request with its full output, and every slot was accounted for at
+    every step (token states + reserved + fragmentation + free == the whole cache)."""
+    import numpy as np
+
+    from lesson_utils import simulator
+
+    assert len(res.finished) == len(requests)
+    assert sorted(s.seq_id for s in res.finished) == sorted(r.req_id for r in requests)
+    assert all(s.num_generated == s.request.output_len for s in res.finished)
+    assert np.all(sum(res.kinds[k] for k in simulator.KINDS) == total_slots)
