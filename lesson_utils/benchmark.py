@@ -4,8 +4,11 @@
   request, time to first token (from arrival) and time per output token after the first, and per step the
   requests running and the KV slots holding token states.
 * :func:`serve_hf_static` is the baseline most people start from: Hugging Face ``generate`` on static,
-  left-padded batches of ``batch_size`` requests taken in arrival order; a batch starts when its last request
-  has arrived and the previous batch is done, and runs until its longest member finishes.
+  left-padded batches of up to ``batch_size`` requests taken in arrival order; a batch starts when its last
+  request has arrived and the previous batch is done, and runs until its longest member finishes. A padded
+  batch needs its longest prompt plus its longest output in positions, which can pass the model's limit
+  (OPT: 2048) although every request fits alone: a batch is closed early rather than let that happen
+  (:func:`static_batches`).
 
 Both stop a request at end-of-sequence or at its own output length, so greedy outputs can be compared token
 for token.
@@ -90,15 +93,52 @@ def serve_engine(name: str, engine, requests: list[Request], progress: bool = Tr
     return ServeResult(name, outputs, ttft, tpot, wall, running, kv)
 
 
+def _synchronize(t: torch.Tensor) -> None:
+    """Wait until the GPU has computed ``t`` (nothing to wait for on a CPU)."""
+    if t.is_cuda:
+        torch.cuda.synchronize(t.device)
+
+
 class _StepClock:
-    """A logits processor that only notes the time of every generation step (it changes no logits)."""
+    """A logits processor that only notes the time of every generation step (it changes no logits).
+
+    On a GPU the scores are only queued when the processor runs: it waits for them first, so the first time
+    it notes (the time to first token) includes the prefill rather than the moment it was launched.
+    """
 
     def __init__(self):
         self.times: list[float] = []
 
     def __call__(self, input_ids, scores):
+        _synchronize(scores)
         self.times.append(time.perf_counter())
         return scores
+
+
+def static_batches(requests: list[Request], batch_size: int, max_positions: int) -> list[list[Request]]:
+    """Requests in arrival order, cut into batches of at most ``batch_size`` that each fit the model.
+
+    A left-padded batch is as wide as its longest prompt and generates for its longest output, so it needs
+    ``max(prompt_len) + max(output_len)`` positions; a batch is closed before the request that would push that
+    past ``max_positions``. Raises ``ValueError`` for a request that cannot fit even alone.
+    """
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be at least 1, got {batch_size}")
+    batches: list[list[Request]] = []
+    width = longest = 0
+    for r in sorted(requests, key=lambda r: (r.arrival_s, r.req_id)):
+        if r.prompt_len + r.output_len > max_positions:
+            raise ValueError(
+                f"request {r.req_id} needs {r.prompt_len} + {r.output_len} positions; the model has {max_positions}"
+            )
+        fits = max(width, r.prompt_len) + max(longest, r.output_len) <= max_positions
+        if batches and len(batches[-1]) < batch_size and fits:
+            batches[-1].append(r)
+            width, longest = max(width, r.prompt_len), max(longest, r.output_len)
+        else:
+            batches.append([r])
+            width, longest = r.prompt_len, r.output_len
+    return batches
 
 
 def serve_hf_static(model, requests: list[Request], batch_size: int, eos_token_id: int | None, pad_token_id: int = 1,
@@ -106,11 +146,9 @@ def serve_hf_static(model, requests: list[Request], batch_size: int, eos_token_i
     """Hugging Face ``generate`` in static, left-padded batches (see the module docstring)."""
     from transformers import LogitsProcessorList
 
-    if batch_size < 1:
-        raise ValueError(f"batch_size must be at least 1, got {batch_size}")
     device = next(model.parameters()).device
     order = sorted(requests, key=lambda r: (r.arrival_s, r.req_id))
-    batches = [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
+    batches = static_batches(order, batch_size, model.config.max_position_embeddings)
     outputs, ttft, tpot, running = {}, {}, {}, []
     bar = None
     if progress:
@@ -124,7 +162,7 @@ def serve_hf_static(model, requests: list[Request], batch_size: int, eos_token_i
         if ready > now:
             time.sleep(ready - now)
         width = max(r.prompt_len for r in batch)
-        ids = torch.full((len(batch), width), pad_token_id, dtype=torch.long)
+        ids = torch.full((len(batch), width), pad_token_id, dtype=torch.long)  # built on the host, moved once
         mask = torch.zeros((len(batch), width), dtype=torch.long)
         for row, r in enumerate(batch):
             ids[row, width - r.prompt_len :] = torch.tensor(r.prompt_ids)

@@ -57,11 +57,17 @@ class BlockTable:
 
 
 def slot_mapping(batch: StepBatch, block_tables: list[list[int]], block_size: int) -> torch.Tensor:
-    """Flat cache slot of every new token in ``batch`` (``block_tables[i]`` belongs to ``batch.seq_ids[i]``)."""
-    slots = []
-    for table, start, n in zip(block_tables, batch.starts, batch.query_lens):
-        for p in batch.positions[start : start + n].tolist():
-            slots.append(table[p // block_size] * block_size + p % block_size)
+    """Flat cache slot of every new token in ``batch`` (``block_tables[i]`` belongs to ``batch.seq_ids[i]``).
+
+    Returns a ``torch.long`` tensor on the batch's device, built from host-side data (the tables and the
+    batch's lengths: a sequence's new tokens sit at positions ``context_len - query_len .. context_len - 1``)
+    and moved to the device once, so no step waits for the GPU to hand ``batch.positions`` back.
+    """
+    slots = [
+        table[p // block_size] * block_size + p % block_size
+        for table, q, c in zip(block_tables, batch.query_lens, batch.context_lens)
+        for p in range(c - q, c)
+    ]
     return torch.tensor(slots, dtype=torch.long, device=batch.positions.device)
 
 

@@ -122,11 +122,13 @@ class FirstFitAllocator:
 def slot_mapping(batch: StepBatch, region_starts: list[int]) -> torch.Tensor:
     """Arena slot of every new token in ``batch``: its sequence's region start plus its position.
 
-    ``region_starts[i]`` is where sequence ``batch.seq_ids[i]``'s reservation begins.
+    ``region_starts[i]`` is where sequence ``batch.seq_ids[i]``'s reservation begins. Returns a ``torch.long``
+    tensor on the batch's device. Computed from the batch's host-side lengths (the new tokens of a sequence sit
+    at positions ``context_len - query_len .. context_len - 1``) and moved to the device once: reading
+    ``batch.positions`` back would make the host wait for the GPU every step.
     """
-    starts = torch.tensor(region_starts, dtype=torch.long, device=batch.positions.device)
-    per_token_start = starts.repeat_interleave(torch.tensor(batch.query_lens, device=batch.positions.device))
-    return per_token_start + batch.positions
+    slots = [start + p for start, q, c in zip(region_starts, batch.query_lens, batch.context_lens) for p in range(c - q, c)]
+    return torch.tensor(slots, dtype=torch.long, device=batch.positions.device)
 
 
 class ContiguousKVCache:
@@ -165,7 +167,10 @@ class ContiguousKVCache:
 
     @classmethod
     def for_model(cls, w, num_slots: int, default_reservation: int, **kw) -> "ContiguousKVCache":
-        """An arena sized for the geometry of ``w`` (an ``OPTWeights``)."""
+        """An arena sized for the geometry of ``w`` (an ``OPTWeights``), on its device and in its dtype unless
+        ``device=`` / ``dtype=`` say otherwise."""
+        kw.setdefault("dtype", w.dtype)
+        kw.setdefault("device", w.device)
         return cls(w.num_layers, num_slots, w.num_heads, w.head_dim, default_reservation=default_reservation, **kw)
 
     @property

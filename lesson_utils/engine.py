@@ -49,19 +49,35 @@ class ModelRunner:
 
     @staticmethod
     def sample(seq: Sequence, logits: torch.Tensor) -> int:
+        """One sequence's next token from its logits row (a device-to-host sync: :meth:`next_tokens` batches it)."""
         if seq.temperature <= 0:
             return int(torch.argmax(logits))
         probs = torch.softmax(logits.float() / seq.temperature, dim=-1).cpu()
         return int(torch.multinomial(probs, 1, generator=seq.generator))
 
+    @staticmethod
+    def next_tokens(seqs: list[Sequence], logits: torch.Tensor) -> list[int]:
+        """Every sequence's next token with at most two device-to-host syncs for the whole step: one for the
+        greedy rows' argmax, one for the sampled rows' probabilities (each sampled on the host with its own
+        generator, so a seed gives the same tokens on any device)."""
+        tokens = logits.argmax(dim=-1).tolist()
+        sampled = [i for i, s in enumerate(seqs) if s.temperature > 0]
+        if sampled:
+            temps = torch.tensor([seqs[i].temperature for i in sampled], device=logits.device)[:, None]
+            rows = torch.tensor(sampled, device=logits.device)
+            probs = torch.softmax(logits[rows].float() / temps, dim=-1).cpu()
+            for i, p in zip(sampled, probs):
+                tokens[i] = int(torch.multinomial(p, 1, generator=seqs[i].generator))
+        return tokens
+
     def execute(self, running: list[Sequence], step: int) -> None:
         if not running:
             return
         logits = self.logits(running)
-        for seq, row in zip(running, logits):
+        for seq, row, token in zip(running, logits, self.next_tokens(running, logits)):
             if seq.pending_forks:
                 seq.last_logits = row  # its forked siblings sample their first token from the same logits
-            seq.output_ids.append(self.sample(seq, row))
+            seq.output_ids.append(token)
             seq.num_generated += 1
             if seq.first_token_step is None:
                 seq.first_token_step = step

@@ -9,8 +9,13 @@ Three profiles, chosen once per process:
 The profile comes from the ``COURSE_PROFILE`` environment variable (``gpu`` / ``cpu`` / ``ci``); left
 unset it is ``gpu`` when CUDA is available, ``ci`` when the ``CI`` variable is set, else ``cpu``.
 
-Importing this module sets ``TRITON_INTERPRET=1`` when there is no CUDA device, because Triton reads
-that variable when a kernel is *defined*: it must be set before ``lesson_utils.kernels`` is imported.
+Importing this module sets ``TRITON_INTERPRET=1`` unless the profile is ``gpu`` (a ``cpu`` or ``ci`` run on a
+GPU machine has CPU tensors, which compiled kernels cannot read), because Triton reads that variable when a
+kernel is *defined*: it must be set before ``lesson_utils.kernels`` is imported.
+
+With ``COURSE_DEVICE_DISCIPLINE=1`` (CI) the profile's device is ``cpu:0`` and importing this module turns on
+:mod:`lesson_utils.device_discipline`, which makes a CPU run fail where a GPU run would (tensors made on the
+wrong device) and counts device-to-host syncs.
 """
 
 from __future__ import annotations
@@ -22,6 +27,8 @@ import warnings
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
+
+from . import device_discipline
 
 PROFILES = ("gpu", "cpu", "ci")
 
@@ -65,8 +72,24 @@ def _choose_profile() -> str:
     return "cpu"
 
 
-if not _cuda_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+def interpreter_wanted(profile_name: str) -> bool:
+    """Triton runs interpreted in every profile but ``gpu``: only there are the tensors on a CUDA device."""
+    return profile_name != "gpu"
+
+
+def _set_triton_mode() -> None:
+    try:
+        name = _choose_profile()
+    except (ValueError, RuntimeError):  # a bad COURSE_PROFILE: get_profile() raises it where it is asked for
+        return
+    if interpreter_wanted(name):
+        os.environ["TRITON_INTERPRET"] = "1"
+
+
+_set_triton_mode()
+
+if device_discipline.requested():
+    device_discipline.enable()
 
 
 @dataclass(frozen=True)
@@ -74,7 +97,7 @@ class Profile:
     """The device and sizes one run of the course uses."""
 
     name: str  # "gpu", "cpu" or "ci"
-    device: str  # "cuda" or "cpu"
+    device: str  # "cuda", "cpu", or "cpu:0" in the device-discipline mode (a CPU that stands for the GPU)
     device_name: str  # e.g. "Tesla T4" or "CPU (x86_64, 2 cores)"
 
     @property
@@ -110,7 +133,10 @@ def get_profile() -> Profile:
     """The profile of this process (computed once)."""
     name = _choose_profile()
     device = "cuda" if name == "gpu" else "cpu"
-    return Profile(name=name, device=device, device_name=_device_name(device))
+    device_name = _device_name(device)
+    if name != "gpu" and device_discipline.requested():
+        device, device_name = str(device_discipline.DEVICE), device_name + " [device discipline]"
+    return Profile(name=name, device=device, device_name=device_name)
 
 
 def supports_bf16() -> bool:
@@ -164,7 +190,7 @@ def banner() -> str:
     p = get_profile()
     v = versions()
     where = "Colab" if in_colab() else "local"
-    mode = "compiled" if p.on_gpu else "interpreter"
+    mode = "interpreter" if os.environ.get("TRITON_INTERPRET") == "1" else "compiled"
     return (
         f"{p.device_name} | profile {p.name} ({str(p.dtype).replace('torch.', '')}) | {where} | "
         f"python {v['python']}, torch {v['torch']}, triton {v['triton']} ({mode}), "

@@ -94,6 +94,15 @@ class OPTWeights:
     eos_token_id: int
     do_layer_norm_before: bool
 
+    @property
+    def device(self) -> torch.device:
+        """Where the weights live (every cache made ``for_model`` goes there too)."""
+        return self.embed_tokens.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.dtype
+
     @classmethod
     def from_hf(cls, model) -> "OPTWeights":
         """Take the weights of an ``OPTForCausalLM`` (they stay shared with it)."""

@@ -28,6 +28,7 @@ import torch
 
 from .block_manager import BlockManager
 from .block_table import gather_kv, slot_mapping
+from .device_discipline import acts_as_gpu
 from .kv_cache import StepBatch, decode_attention, decode_slot_index, fused_attention_over_context, mark_decodes
 
 
@@ -51,18 +52,21 @@ class PagedKVCache:
         self.v_cache = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self._slot_mapping, self._gather = slot_mapping_fn, gather_fn
         if batched_decode is None:  # see the module docstring for why this depends on the device
-            batched_decode = gather_fn is gather_kv and torch.device(device).type == "cuda"
+            batched_decode = gather_fn is gather_kv and acts_as_gpu(device)
         self.batched_decode = batched_decode
 
     @classmethod
     def for_model(cls, w, num_blocks: int | None = None, block_size: int = 16, *, manager=None, **kw) -> "PagedKVCache":
         """A cache with the geometry of ``w`` (an ``OPTWeights``): on ``manager``, or on a fresh
-        :class:`BlockManager` of ``num_blocks`` blocks."""
+        :class:`BlockManager` of ``num_blocks`` blocks; on ``w``'s device and in its dtype unless ``device=`` /
+        ``dtype=`` say otherwise."""
         manager_kw = {k: kw.pop(k) for k in ("watermark", "grow_fn", "allocator") if k in kw}
         if manager is None:
             if num_blocks is None:
                 raise ValueError("give num_blocks (or a manager)")
             manager = BlockManager(num_blocks, block_size, max_seq_len=w.max_positions, **manager_kw)
+        kw.setdefault("dtype", w.dtype)
+        kw.setdefault("device", w.device)
         return cls(w.num_layers, w.num_heads, w.head_dim, manager, **kw)
 
     @property
@@ -88,25 +92,43 @@ class PagedKVCache:
         batch.extra["block_tables"] = tables
         mark_decodes(batch, self.batched_decode, self.k_cache[0].device)
 
+    # A swap moves all its blocks, K and V of every layer, in ONE host-device copy through a pinned staging
+    # buffer: gather on the device, one asynchronous copy, scatter on the other side. Per layer (or per block)
+    # copies through pageable memory would each wait for the GPU and pay PCIe's fixed cost again.
+    def _gather_blocks(self, gpu: torch.Tensor) -> torch.Tensor:
+        """``[2, layers, len(gpu), block_size, kv_heads, head_dim]``: the blocks ``gpu`` of every layer's K and V."""
+        return torch.stack([torch.stack([c[gpu] for c in self.k_cache]), torch.stack([c[gpu] for c in self.v_cache])])
+
     def swap_out(self, copies: list[tuple[int, int]], space) -> None:
-        """Copy ``(gpu, cpu)`` blocks into the swap space's CPU tensors (lesson 06)."""
+        """Copy ``(gpu, cpu)`` blocks into the swap space's CPU tensors (lesson 06): one device-to-host copy
+        and one wait for it (the host must not read the staging buffer before the data has landed)."""
         if not copies:
             return
-        gpu = torch.tensor([g for g, _ in copies], device=self.k_cache[0].device)
-        cpu = torch.tensor([c for _, c in copies])
-        for layer, (kc, vc) in enumerate(zip(self.k_cache, self.v_cache)):
-            space.k[layer][cpu] = kc[gpu].to("cpu", non_blocking=False)
-            space.v[layer][cpu] = vc[gpu].to("cpu", non_blocking=False)
+        device = self.k_cache[0].device
+        gpu = torch.tensor([g for g, _ in copies], device=device)
+        cpu = torch.tensor([c for _, c in copies])  # host index into the host swap space
+        gathered = self._gather_blocks(gpu)
+        staging = torch.empty(gathered.shape, dtype=gathered.dtype, pin_memory=gathered.is_cuda)
+        staging.copy_(gathered, non_blocking=True)
+        if gathered.is_cuda:
+            torch.cuda.current_stream(device).synchronize()
+        space.kv[:, :, cpu] = staging
 
     def swap_in(self, copies: list[tuple[int, int]], space) -> None:
-        """Copy ``(cpu, gpu)`` blocks back from the swap space (lesson 06)."""
+        """Copy ``(cpu, gpu)`` blocks back from the swap space (lesson 06): one host-to-device copy from pinned
+        memory, queued on the GPU's stream; nothing waits (PyTorch keeps the pinned buffer alive until it is read)."""
         if not copies:
             return
+        device = self.k_cache[0].device
         cpu = torch.tensor([c for c, _ in copies])
-        gpu = torch.tensor([g for _, g in copies], device=self.k_cache[0].device)
+        gpu = torch.tensor([g for _, g in copies], device=device)
+        staging = torch.empty((2, len(self.k_cache), len(copies)) + tuple(space.kv.shape[3:]), dtype=space.kv.dtype,
+                              pin_memory=space.kv.is_pinned())
+        torch.index_select(space.kv, 2, cpu, out=staging)
+        blocks = staging.to(device, non_blocking=True)
         for layer, (kc, vc) in enumerate(zip(self.k_cache, self.v_cache)):
-            kc[gpu] = space.k[layer][cpu].to(kc.device)
-            vc[gpu] = space.v[layer][cpu].to(vc.device)
+            kc[gpu] = blocks[0, layer]
+            vc[gpu] = blocks[1, layer]
 
     def copy_block(self, src: int, dst: int) -> None:
         """Copy one block's K/V in every layer (copy-on-write's data movement)."""

@@ -155,6 +155,7 @@ class ReservedKVCache:
         import torch
 
         from .contiguous import slot_mapping
+        from .device_discipline import acts_as_gpu
 
         self.manager = manager
         shape = (num_layers, manager.total_slots, num_kv_heads, head_dim)
@@ -163,10 +164,13 @@ class ReservedKVCache:
         self.k_cache = [self.k[i] for i in range(num_layers)]  # per-layer views (what a swap space would mirror)
         self._slot_mapping = slot_mapping
         # as the paged cache: one batched decode attention on a GPU, a loop of fused calls on a CPU
-        self.batched_decode = torch.device(device).type == "cuda" if batched_decode is None else batched_decode
+        self.batched_decode = acts_as_gpu(device) if batched_decode is None else batched_decode
 
     @classmethod
     def for_model(cls, w, manager: ContiguousReservationManager, **kw) -> "ReservedKVCache":
+        """A cache with the geometry of ``w``, on its device and in its dtype unless ``device=``/``dtype=`` say otherwise."""
+        kw.setdefault("dtype", w.dtype)
+        kw.setdefault("device", w.device)
         return cls(w.num_layers, w.num_heads, w.head_dim, manager, **kw)
 
     def prepare(self, batch) -> None:

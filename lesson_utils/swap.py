@@ -51,17 +51,20 @@ class SwapSpace:
         if num_blocks == 0:
             self.pool.allocate()  # a zero-block swap space: its only block is never available
         self.cpu_tables: dict[int, BlockTable] = {}
-        self.k: list[torch.Tensor] = []
+        self.kv: torch.Tensor | None = None  # [2 (K, V), layers, num_blocks, block_size, kv_heads, head_dim]
+        self.k: list[torch.Tensor] = []  # per-layer views of kv[0] and kv[1]
         self.v: list[torch.Tensor] = []
         self._mapping = mapping_fn
         self.blocks_out = self.blocks_in = 0
 
     def attach_tensors(self, like_k: list[torch.Tensor]) -> None:
-        """Allocate CPU K/V blocks shaped like the GPU cache's (pinned when the cache is on CUDA)."""
+        """Allocate CPU K/V blocks shaped like the GPU cache's, host memory on purpose (pinned when the cache
+        is on CUDA, so copies to and from it can run asynchronously): one tensor for K and V of every layer,
+        so a swap of several blocks is one gather and one copy each way."""
         pin = like_k[0].is_cuda
-        shape = (self.num_blocks,) + tuple(like_k[0].shape[1:])
-        self.k = [torch.zeros(shape, dtype=t.dtype, pin_memory=pin) for t in like_k]
-        self.v = [torch.zeros(shape, dtype=t.dtype, pin_memory=pin) for t in like_k]
+        shape = (2, len(like_k), self.num_blocks) + tuple(like_k[0].shape[1:])
+        self.kv = torch.zeros(shape, dtype=like_k[0].dtype, pin_memory=pin)
+        self.k, self.v = list(self.kv[0]), list(self.kv[1])
 
     @property
     def num_free(self) -> int:

@@ -29,6 +29,26 @@ def is_strict() -> bool:
     return os.environ.get("COURSE_STRICT", "").lower() not in ("", "0", "false")
 
 
+def case_device():
+    """Where checkers build their cases: the profile's device, as the lesson's own code will use them (a
+    function that only works on CPU tensors must fail its check, not the GPU run after it)."""
+    from ..env import get_profile
+
+    return get_profile().device
+
+
+def device_hint(expected: Any, got: Any) -> str:
+    """A hint when a returned tensor is on another device than the reference's, else ''."""
+    try:
+        import torch
+    except ImportError:  # pragma: no cover
+        return ""
+    if isinstance(expected, torch.Tensor) and isinstance(got, torch.Tensor) and expected.device != got.device:
+        return (f"your tensor is on {got.device}, but the inputs are on {expected.device}: make new tensors "
+                "with device=... (e.g. device=batch.positions.device)")
+    return ""
+
+
 @dataclass
 class CheckResult:
     name: str
@@ -106,6 +126,7 @@ def default_equal(expected: Any, got: Any) -> bool:
                 isinstance(expected, torch.Tensor)
                 and isinstance(got, torch.Tensor)
                 and expected.shape == got.shape
+                and expected.device == got.device
                 and bool(torch.equal(expected.to(got.dtype), got))
             )
     except ImportError:  # pragma: no cover
@@ -139,7 +160,7 @@ def check_function(
         except Exception as err:  # noqa: BLE001 - any learner error becomes feedback
             return _raised(name, f"({show_input(case)})", err, reference, quiet)
         if not equal(expected, got):
-            hint = explain(case, expected, got) if explain else ""
+            hint = device_hint(expected, got) or (explain(case, expected, got) if explain else "")
             return failed(
                 name,
                 f"on input ({show_input(case)})\n    expected: {short(expected)}\n    got:      {short(got)}"

@@ -8,7 +8,7 @@ import torch
 
 from .. import contiguous
 from ..kv_cache import StepBatch
-from .core import CheckResult, check_function, expect_error, passed
+from .core import CheckResult, case_device, check_function, expect_error, passed
 
 
 def _random_holes(rng: random.Random, total: int = 200) -> list[tuple[int, int]]:
@@ -117,16 +117,17 @@ def check_release(fn) -> CheckResult:
 
 def _batches() -> list[tuple[StepBatch, list[int]]]:
     rng = random.Random(2)
+    dev = case_device()  # as in the lesson's cache: a slot mapping made on the host fails here, not on a GPU later
     out = [
-        (StepBatch.build([0], [[5, 6, 7]], [0]), [100]),  # a prefill
-        (StepBatch.build([0, 1], [[9], [4]], [3, 7]), [100, 0]),  # two decodes
-        (StepBatch.build([3, 1, 2], [[1, 2], [8], [5, 5, 5, 5]], [0, 12, 0]), [64, 0, 200]),  # mixed
+        (StepBatch.build([0], [[5, 6, 7]], [0], device=dev), [100]),  # a prefill
+        (StepBatch.build([0, 1], [[9], [4]], [3, 7], device=dev), [100, 0]),  # two decodes
+        (StepBatch.build([3, 1, 2], [[1, 2], [8], [5, 5, 5, 5]], [0, 12, 0], device=dev), [64, 0, 200]),  # mixed
     ]
     for _ in range(5):
         k = rng.randint(1, 4)
         news = [[rng.randint(4, 99) for _ in range(rng.choice([1, 1, rng.randint(1, 6)]))] for _ in range(k)]
         before = [rng.randint(0, 20) for _ in range(k)]
-        out.append((StepBatch.build(list(range(k)), news, before), [rng.randrange(0, 500, 32) for _ in range(k)]))
+        out.append((StepBatch.build(list(range(k)), news, before, device=dev), [rng.randrange(0, 500, 32) for _ in range(k)]))
     return out
 
 
@@ -143,7 +144,8 @@ def check_slot_mapping(fn) -> CheckResult:
             return "return a torch.LongTensor with one slot per new token"
         if got.shape == expected.shape and torch.equal(got, b.positions):
             return "add each sequence's region start: slot = start of its reservation + position"
-        if got.shape == expected.shape and torch.equal(got - expected, -(b.positions - torch.cat([torch.arange(n) for n in b.query_lens]))):
+        in_step = torch.cat([torch.arange(n) for n in b.query_lens]).to(got.device)
+        if got.shape == expected.shape and torch.equal(got - expected, -(b.positions - in_step)):
             return "use each token's position in its sequence, not its index within this step"
         return ""
 

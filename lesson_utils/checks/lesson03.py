@@ -9,7 +9,7 @@ import torch
 from .. import block_table as bt
 from ..block_allocator import BlockAllocator, OutOfBlocks
 from ..kv_cache import StepBatch
-from .core import CheckResult, check_function, failed, not_implemented, passed
+from .core import CheckResult, case_device, check_function, failed, not_implemented, passed
 
 
 def _call(fn, *args):
@@ -120,7 +120,7 @@ def _slot_cases():
         k = rng.randint(1, 4)
         news = [[7] * rng.choice([1, 1, rng.randint(1, 20)]) for _ in range(k)]
         before = [rng.randint(0, 40) for _ in range(k)]
-        batch = StepBatch.build(list(range(k)), news, before)
+        batch = StepBatch.build(list(range(k)), news, before, device=case_device())
         pool = list(range(400))
         rng.shuffle(pool)
         tables = []
@@ -160,7 +160,7 @@ def _gather_cases():
     gen = torch.Generator().manual_seed(4)
     cases = []
     for block_size, ctx in [(4, 1), (4, 8), (4, 7), (16, 40), (1, 5)]:
-        cache = torch.randn(12, block_size, 2, 3, generator=gen)
+        cache = torch.randn(12, block_size, 2, 3, generator=gen).to(case_device())
         table = torch.randperm(12, generator=gen)[: bt.blocks_needed(ctx, block_size)].tolist()
         cases.append((cache, table, ctx))
     return cases

@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from .. import kernels as K
-from .core import CheckResult, failed, not_implemented, passed
+from .core import CheckResult, case_device, failed, not_implemented, passed
 
 
 def _case(seed, ctxs, *, block_size=8, heads=2, kv_heads=1, head_dim=16, spare=None, q_scale=1.0, shuffle=True):
@@ -33,7 +33,8 @@ def _case(seed, ctxs, *, block_size=8, heads=2, kv_heads=1, head_dim=16, spare=N
         tables[i, :n] = torch.tensor(order[taken : taken + n], dtype=torch.int32)
         taken += n
     q = torch.randn(len(ctxs), heads, head_dim, generator=g) * q_scale
-    return q, kc, vc, tables, torch.tensor(ctxs, dtype=torch.int32)
+    dev = case_device()  # the kernel reads its arguments on the profile's device (compiled on a GPU)
+    return tuple(t.to(dev) for t in (q, kc, vc, tables, torch.tensor(ctxs, dtype=torch.int32)))
 
 
 def _run_cases(name, cases, kernel_kw, reference_fallback) -> CheckResult:

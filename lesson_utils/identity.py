@@ -1,0 +1,169 @@
+"""When are two greedy outputs "the same"? One rule for every notebook and test that compares with HF.
+
+Greedy decoding picks the larger of the top two logits. Two correct implementations that round differently
+(another attention kernel, another batch shape and so another matmul algorithm, fp16 instead of fp32) agree
+on every token until a step where those two logits are so close that rounding decides - a *near-tie* - and
+from there on they continue two different, equally valid texts. So:
+
+* compare token by token; identical outputs are ``identical``;
+* at the first token that differs, ask Hugging Face's model for its top-2 logit margin at that step (one
+  forward over the prompt and the tokens both agreed on). Below :func:`near_tie_threshold` the divergence is
+  accepted and reported as ``near-tie`` ("diverged at a near-tie after N tokens"), never hidden;
+* a divergence at a clear margin, or an output that stops early or runs on, is ``different``: a bug.
+
+Thresholds, by the model's dtype (the margin is a difference of logits, which for OPT-125m reach about 30):
+
+* fp32: ``1e-4``. fp32 carries 24 bits; two summation orders of a 768-wide dot product differ by about
+  ``1e-6`` of its size. On a CPU in fp32 this makes the rule "every token", except at a genuine tie.
+* fp16: ``0.1``. fp16 carries 11 bits: a logit near 16-32 is stored to the nearest 1/64 (0.016), and a
+  12-layer residual stream computed by other kernels drifts by a few of those steps.
+* bf16: ``0.5`` (8 bits: the nearest 1/8 at 16-32).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+NEAR_TIE = {torch.float32: 1e-4, torch.float16: 0.1, torch.bfloat16: 0.5}
+
+IDENTICAL, NEAR_TIE_VERDICT, DIFFERENT = "identical", "near-tie", "different"
+
+
+def near_tie_threshold(dtype: torch.dtype) -> float:
+    """The top-2 logit margin below which rounding may decide a greedy token, for a model in ``dtype``."""
+    try:
+        return NEAR_TIE[dtype]
+    except KeyError:
+        raise ValueError(f"no near-tie threshold for {dtype}; the course runs fp32, fp16 or bf16") from None
+
+
+def _model_device_dtype(model) -> tuple[torch.device, torch.dtype]:
+    p = next(model.parameters())
+    return p.device, p.dtype
+
+
+def hf_greedy(model, prompt: list[int], max_new_tokens: int, eos_token_id: int | None, pad_token_id: int = 1) -> list[int]:
+    """Hugging Face ``generate``'s greedy continuation of one unpadded prompt, cut right after the first eos."""
+    device, _ = _model_device_dtype(model)
+    ids = torch.tensor([prompt], device=device)
+    with torch.inference_mode():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, min_new_tokens=0,
+                             do_sample=False, eos_token_id=eos_token_id, pad_token_id=pad_token_id)
+    tokens = out[0, len(prompt):].tolist()
+    if eos_token_id is not None and eos_token_id in tokens:
+        tokens = tokens[: tokens.index(eos_token_id) + 1]
+    return tokens
+
+
+def hf_margin(model, prompt: list[int], generated: list[int]) -> float:
+    """HF's top-1 minus top-2 logit for the token after ``prompt + generated``: one forward, no cache."""
+    device, _ = _model_device_dtype(model)
+    with torch.inference_mode():
+        logits = model(input_ids=torch.tensor([list(prompt) + list(generated)], device=device)).logits[0, -1]
+    top2 = logits.float().topk(2).values
+    return float(top2[0] - top2[1])
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """One prompt's verdict under the rule (module docstring)."""
+
+    verdict: str  # IDENTICAL, NEAR_TIE_VERDICT or DIFFERENT
+    agreed: int  # tokens identical before the first difference (all of them when identical)
+    margin: float | None  # HF's top-2 margin where the outputs first differ (None if they never do)
+    threshold: float
+    detail: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.verdict != DIFFERENT
+
+    def describe(self) -> str:
+        if self.verdict == IDENTICAL:
+            return f"identical ({self.agreed} tokens)"
+        if self.verdict == NEAR_TIE_VERDICT:
+            return (f"diverged at a near-tie after {self.agreed} tokens (HF's top-2 margin {self.margin:.2g} < "
+                    f"{self.threshold:g})")
+        return f"DIFFERENT after {self.agreed} tokens: {self.detail}"
+
+
+def compare(model, prompt: list[int], reference: list[int], got: list[int], *, threshold: float | None = None) -> Comparison:
+    """Apply the rule to one prompt: ``reference`` (HF's, or a reference engine's) against ``got``."""
+    _, dtype = _model_device_dtype(model)
+    threshold = near_tie_threshold(dtype) if threshold is None else threshold
+    reference, got = list(reference), list(got)
+    agreed = 0
+    while agreed < min(len(reference), len(got)) and reference[agreed] == got[agreed]:
+        agreed += 1
+    if agreed == len(reference) == len(got):
+        return Comparison(IDENTICAL, agreed, None, threshold)
+    if agreed == min(len(reference), len(got)):  # one output is a strict prefix of the other
+        return Comparison(DIFFERENT, agreed, None, threshold,
+                          f"one output stops after {agreed} tokens, the other goes on to {max(len(reference), len(got))}")
+    margin = hf_margin(model, prompt, reference[:agreed])
+    if margin < threshold:
+        return Comparison(NEAR_TIE_VERDICT, agreed, margin, threshold)
+    return Comparison(DIFFERENT, agreed, margin, threshold,
+                      f"token {agreed} is {got[agreed]} instead of {reference[agreed]}, where HF's top-2 margin is "
+                      f"{margin:.3g} (a near-tie would be below {threshold:g})")
+
+
+@dataclass
+class IdentityReport:
+    """Verdicts for a set of prompts; ``summary()`` is what a notebook prints."""
+
+    comparisons: list[Comparison] = field(default_factory=list)
+
+    @property
+    def identical(self) -> int:
+        return sum(c.verdict == IDENTICAL for c in self.comparisons)
+
+    @property
+    def near_ties(self) -> int:
+        return sum(c.verdict == NEAR_TIE_VERDICT for c in self.comparisons)
+
+    @property
+    def different(self) -> int:
+        return sum(c.verdict == DIFFERENT for c in self.comparisons)
+
+    @property
+    def ok(self) -> bool:
+        """No divergence except at near-ties."""
+        return self.different == 0
+
+    def summary(self) -> str:
+        n = len(self.comparisons)
+        text = f"{self.identical}/{n} token-identical"
+        if self.near_ties:
+            text += f", {self.near_ties} diverged at a near-tie (" + "; ".join(
+                f"prompt {i} after {c.agreed} tokens, margin {c.margin:.2g}" for i, c in enumerate(self.comparisons)
+                if c.verdict == NEAR_TIE_VERDICT) + ")"
+        text += f", {self.different} different"
+        if self.comparisons:
+            text += f" (near-tie threshold {self.comparisons[0].threshold:g})"
+        return text
+
+    def failures(self) -> str:
+        return "\n".join(f"prompt {i}: {c.describe()}" for i, c in enumerate(self.comparisons) if not c.ok)
+
+
+def compare_all(model, prompts: list[list[int]], references: list[list[int]], outputs: list[list[int]],
+                *, threshold: float | None = None) -> IdentityReport:
+    """The rule over several prompts (same order in all three lists)."""
+    if not (len(prompts) == len(references) == len(outputs)):
+        raise ValueError(f"{len(prompts)} prompts, {len(references)} references and {len(outputs)} outputs")
+    return IdentityReport([compare(model, p, r, o, threshold=threshold) for p, r, o in zip(prompts, references, outputs)])
+
+
+def compare_with_hf(model, prompts: list[list[int]], outputs: list[list[int]], max_new_tokens: int,
+                    eos_token_id: int | None, *, progress: bool = True, threshold: float | None = None) -> IdentityReport:
+    """Run HF ``generate`` on every prompt and apply the rule to ``outputs`` (the course engine's)."""
+    it = prompts
+    if progress:
+        from tqdm.auto import tqdm
+
+        it = tqdm(prompts, desc="HF generate", leave=False)
+    references = [hf_greedy(model, p, max_new_tokens, eos_token_id) for p in it]
+    return compare_all(model, prompts, references, outputs, threshold=threshold)
