@@ -82,8 +82,8 @@ def _set_triton_mode() -> None:
         name = _choose_profile()
     except (ValueError, RuntimeError):  # a bad COURSE_PROFILE: get_profile() raises it where it is asked for
         return
-    if interpreter_wanted(name):
-        os.environ["TRITON_INTERPRET"] = "1"
+    if interpreter_wanted(name):  # an explicit TRITON_INTERPRET=0 is kept: lesson_utils.aot compiles that way
+        os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 _set_triton_mode()

@@ -611,14 +611,17 @@ def test_reserved_cache_matches_dense_reference(batched_decode):
 
 
 def test_paged_cache_geometry_for_a_model():
-    class W:  # just the geometry fields of OPTWeights
+    class W:  # just the geometry fields of OPTWeights, and where its tensors live
         num_layers, num_heads, head_dim, max_positions = 3, 4, 16, 512
+        dtype, device = torch.float16, torch.device("cpu")
 
     cache = PagedKVCache.for_model(W, 10, 8, watermark=0.2)
     assert cache.block_size == 8 and cache.manager.num_blocks == 10 and cache.manager.watermark_blocks == 2
     assert cache.manager.max_seq_len == 512
     assert len(cache.k_cache) == len(cache.v_cache) == 3 and cache.k_cache[0].shape == (10, 8, 4, 16)
-    assert cache.bytes_per_block == 2 * 3 * 8 * 4 * 16 * 4
+    assert cache.k_cache[0].dtype == torch.float16  # the model's dtype, unless told otherwise
+    assert cache.bytes_per_block == 2 * 3 * 8 * 4 * 16 * 2
+    assert PagedKVCache.for_model(W, 10, 8, dtype=torch.float32).bytes_per_block == 2 * 3 * 8 * 4 * 16 * 4
 
 
 # ---------------------------------------------------------------------------------------------------
