@@ -15,6 +15,8 @@ whose environment has
 * ``COURSE_STRICT=1`` for solution notebooks unless ``--no-strict`` - checkers raise instead of printing
   (student notebooks never run strict: the variable is removed from their environment);
 * ``COURSE_PROFILE`` when ``--profile`` is given (else the kernel chooses, see ``lesson_utils.env``);
+* ``COURSE_DEVICE_DISCIPLINE=1`` for the kinds ``--device-discipline`` names (CI: the solutions) - on a CPU,
+  tensors made on the wrong device then fail as they would on a GPU (``lesson_utils.device_discipline``);
 * the repository root (and the checkout this ``lesson_utils`` runs from) first on ``PYTHONPATH`` - the
   checkout's ``lesson_utils`` is the one tested, installed or not;
 * this interpreter's folder first on ``PATH`` - the kernel runs the same Python as this command.
@@ -132,10 +134,12 @@ def _kind_of(path: Path) -> str:
     return "notebooks" if path.parent.name == "notebooks" else "solutions"
 
 
-def kernel_env(kind: str, profile: str | None, strict: bool, root: Path | str) -> dict[str, str]:
+def kernel_env(kind: str, profile: str | None, strict: bool, root: Path | str, discipline: bool = False) -> dict[str, str]:
     """The environment a notebook's kernel starts with."""
     env = dict(os.environ)
     env["COURSE_HEADLESS"] = "1"
+    if discipline:
+        env["COURSE_DEVICE_DISCIPLINE"] = "1"
     if kind == "solutions" and strict:
         env["COURSE_STRICT"] = "1"
     else:
@@ -235,6 +239,7 @@ def run_notebook(
     strict: bool | None = None,
     timeout: int = 1200,
     kernel_name: str = "python3",
+    discipline: bool = False,
 ) -> NotebookResult:
     """Execute one notebook in a fresh kernel; write the executed copy and its figures under ``out_dir``.
 
@@ -265,7 +270,7 @@ def run_notebook(
     start = time.perf_counter()
     with log:
         try:
-            with client.setup_kernel(env=kernel_env(kind, profile, strict, root), stdout=log, stderr=log):
+            with client.setup_kernel(env=kernel_env(kind, profile, strict, root, discipline), stdout=log, stderr=log):
                 try:
                     for index, cell in enumerate(nb.cells):
                         result.error_cell = index
@@ -356,10 +361,12 @@ def run_notebooks(
     progress: bool = True,
     root: Path | str = ".",
     jobs: int = 1,
+    discipline: tuple[str, ...] = (),
 ) -> list[NotebookResult]:
     """Execute ``paths``; write executed copies, figures, ``out_dir/summary.json`` and ``out_dir/report.md``.
 
-    ``strict=None`` means strict for solution notebooks; student notebooks are never strict.
+    ``strict=None`` means strict for solution notebooks; student notebooks are never strict. Notebooks of the
+    kinds in ``discipline`` ("solutions", "notebooks") run in the device-discipline mode.
     ``jobs`` notebooks run at once (threads, each driving its own kernel process); the results come back
     in the order of ``paths`` whatever order they finish in.
     """
@@ -375,7 +382,8 @@ def run_notebooks(
         bar = tqdm(total=len(paths), unit="notebook", file=sys.stderr, dynamic_ncols=True)
 
     def run(path: Path) -> NotebookResult:
-        return run_notebook(path, out_dir, root=root, profile=profile, strict=strict, timeout=timeout)
+        return run_notebook(path, out_dir, root=root, profile=profile, strict=strict, timeout=timeout,
+                            discipline=_kind_of(path) in discipline)
 
     def finished(index: int, result: NotebookResult) -> None:
         results[index] = result
@@ -638,6 +646,12 @@ def main(argv: list[str] | None = None) -> int:
         help="COURSE_STRICT=1 for solution notebooks (default: on; student notebooks never strict)",
     )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument(
+        "--device-discipline",
+        choices=("solutions", "notebooks", "both"),
+        help="run these notebooks with COURSE_DEVICE_DISCIPLINE=1: on a CPU, a tensor made on the wrong device "
+        "fails as it would on a GPU (what CI does for the solutions)",
+    )
     parser.add_argument("--jobs", type=int, default=1, metavar="N", help="run up to N notebooks at once (default 1)")
     parser.add_argument(
         "--compare",
@@ -672,6 +686,7 @@ def main(argv: list[str] | None = None) -> int:
         progress=not args.no_progress,
         root=root,
         jobs=args.jobs,
+        discipline={None: (), "both": ("solutions", "notebooks")}.get(args.device_discipline, (args.device_discipline,)),
     )
     print(format_table(results))  # run_notebooks has written summary.json and report.md
     if previous is not None:

@@ -47,9 +47,12 @@ def _exercises(path: Path) -> int:
 @pytest.fixture(scope="module")
 def ran():
     """Every lesson notebook, executed once: solutions strictly, student notebooks not (run_notebooks'
-    default: ``strict=None`` means strict for solutions only). Returns (started, {relative path: result})."""
+    default: ``strict=None`` means strict for solutions only). The solutions run in the device-discipline
+    mode, so a tensor made on the wrong device fails here as it would on a T4; the student notebooks run the
+    plain CPU path. Returns (started, {relative path: result})."""
     started = time.time()
-    results = run_all.run_notebooks(SOLUTIONS + STUDENTS, OUT, profile="ci", progress=False, root=ROOT, jobs=1)
+    results = run_all.run_notebooks(SOLUTIONS + STUDENTS, OUT, profile="ci", progress=False, root=ROOT, jobs=1,
+                                    discipline=("solutions",))
     return started, {r.path: r for r in results}
 
 
@@ -63,6 +66,7 @@ def _result(ran, path: Path) -> run_all.NotebookResult:
 def test_solution_executes_strictly(ran, path):
     result = _result(ran, path)
     assert result.strict, "solutions run with COURSE_STRICT=1"
+    assert "device discipline" in (result.device_name or ""), "solutions run in the device-discipline mode"
     assert result.ok, f"{path.name} failed at cell {result.error_cell}:\n{result.error}"
     assert result.unsolved_count == 0
     assert result.key_lines, "a lesson ends with key findings computed in the run (KEY: lines)"
@@ -75,6 +79,7 @@ def test_solution_executes_strictly(ran, path):
 def test_student_notebook_runs_top_to_bottom(ran, path):
     result = _result(ran, path)
     assert not result.strict
+    assert "device discipline" not in (result.device_name or ""), "student notebooks run the plain CPU path"
     assert result.ok, f"{path.name} crashed at cell {result.error_cell}:\n{result.error}"
     expected = _exercises(ROOT / "solutions" / path.name)
     assert result.unsolved_count == expected, f"{expected} exercises, {result.unsolved_count} reported unsolved"

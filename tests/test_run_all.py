@@ -129,6 +129,12 @@ def test_kernel_env_strictness(tmp_path: Path, monkeypatch):
     assert env["PYTHONPATH"].split(":")[0] == str(tmp_path.resolve())
 
 
+def test_kernel_env_device_discipline(tmp_path: Path, monkeypatch):
+    monkeypatch.delenv("COURSE_DEVICE_DISCIPLINE", raising=False)
+    assert run_all.kernel_env("solutions", "ci", True, tmp_path, discipline=True)["COURSE_DEVICE_DISCIPLINE"] == "1"
+    assert "COURSE_DEVICE_DISCIPLINE" not in run_all.kernel_env("solutions", "ci", True, tmp_path)
+
+
 def test_report_lists_every_notebook_with_key_lines_and_figures(ran):
     root, out, results = ran
     text = (out / "report.md").read_text(encoding="utf-8")
