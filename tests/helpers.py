@@ -42,6 +42,15 @@ def hf_greedy(model, prompt: list[int], max_new_tokens: int, eos: int | None, *,
     return tokens
 
 
+def assert_identical(model, prompts: list[list[int]], expected: list[list[int]], got: list[list[int]]) -> None:
+    """The identity rule itself (lesson_utils.identity), for comparisons whose prompts were not screened for
+    near-ties: a divergence passes only where HF's top-2 margin is below the fp32 threshold."""
+    from lesson_utils import identity
+
+    report = identity.compare_all(model, prompts, expected, got)
+    assert report.ok, report.failures()
+
+
 def rejected(result, *needles) -> bool:
     """A checker's result says "wrong" (not "unsolved") and its message names every one of ``needles``."""
     assert not result.passed and result.implemented, result.message

@@ -12,6 +12,7 @@ import random
 import pytest
 import torch
 
+from helpers import assert_identical, hf_greedy
 from lesson_utils import kernels as K
 
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3}
@@ -69,16 +70,26 @@ def test_dtypes_and_shared_blocks(dtype, variant):
                              dtype=dtype, share=True), variant)
 
 
-def test_randomized_cases():
+@pytest.mark.parametrize("where", ["cpu", "device discipline"])
+def test_randomized_cases(where):
+    """Also in the device-discipline mode: inputs on the stand-in device, as on a GPU; the wrappers and the
+    reference must then neither mix in a host tensor nor read back more than their checks need."""
+    from contextlib import nullcontext
+
+    from lesson_utils import device_discipline as dd
+
     rng = random.Random(0)
-    for seed in range(6):
-        bs = rng.choice([8, 16, 32])
-        kv = rng.choice([1, 2])
-        ctxs = [rng.randint(1, 90) for _ in range(rng.randint(1, 3))]
-        assert_matches(make_case(seed, num_seqs=len(ctxs), heads=kv * rng.choice([1, 4]), kv_heads=kv,
-                                 head_dim=rng.choice([64, 80]), block_size=bs, ctxs=ctxs,
-                                 dtype=rng.choice([torch.float16, torch.float32]), share=rng.random() < 0.5),
-                       rng.choice(K.VARIANTS))
+    with dd.discipline() if where != "cpu" else nullcontext():
+        for seed in range(6):
+            bs = rng.choice([8, 16, 32])
+            kv = rng.choice([1, 2])
+            ctxs = [rng.randint(1, 90) for _ in range(rng.randint(1, 3))]
+            case = make_case(seed, num_seqs=len(ctxs), heads=kv * rng.choice([1, 4]), kv_heads=kv,
+                             head_dim=rng.choice([64, 80]), block_size=bs, ctxs=ctxs,
+                             dtype=rng.choice([torch.float16, torch.float32]), share=rng.random() < 0.5)
+            if where != "cpu":
+                case = tuple(t.to(dd.DEVICE) for t in case)
+            assert_matches(case, rng.choice(K.VARIANTS))
 
 
 def test_large_scores_do_not_overflow():
@@ -156,9 +167,6 @@ def test_engine_with_triton_backend_is_token_identical_to_hf():
     prompts = [[2]] + [[2] + torch.randint(4, w.vocab_size, (n,), generator=g).tolist() for n in (7, 15, 22)]
     cache = TritonPagedKVCache(w.num_layers, w.num_heads, w.head_dim, BlockManager(9, 8))  # tight: forces waiting
     outs = Engine(w, cache).generate(prompts, 8)
-    for p, out in zip(prompts, outs):
-        ids = torch.tensor([p])
-        hf = lm.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False,
-                               eos_token_id=w.eos_token_id, pad_token_id=1)[0, len(p):].tolist()
-        assert out == hf
+    want = [hf_greedy(lm.model, p, 8, w.eos_token_id, check_ties=False) for p in prompts]
+    assert_identical(lm.model, prompts, want, outs)
     assert cache.manager.allocator.num_free == 9

@@ -23,7 +23,7 @@ from lesson_utils.kv_cache import DenseKVCache, StepBatch
 from lesson_utils.model import ByteTokenizer, LoadedModel, load_model, opt125m_config, tiny_opt_config
 from lesson_utils.opt_forward import OPTWeights, forward, generate_greedy
 
-from helpers import hf_greedy
+from helpers import assert_identical, hf_greedy
 
 ATOL = 1e-4  # fp32, max |ours - HF| over all logits
 
@@ -308,17 +308,16 @@ def test_greedy_generation_is_token_identical_to_hf(opt_model):
     together = generate_greedy(w_eos, batch_cache, prompts, n_new, seq_ids=seq_ids)
     assert cache_is_empty(batch_cache)  # every finished sequence was freed
 
-    for i, prompt in enumerate(prompts):
-        alone = generate_greedy(w_eos, DenseKVCache(w.num_layers), [prompt], n_new)
-        assert alone == [expected[i]], f"prompt {i} (length {len(prompt)}) generated alone"
-        assert together[i] == expected[i], f"prompt {i} (length {len(prompt)}) generated in the batch"
+    alone = [generate_greedy(w_eos, DenseKVCache(w.num_layers), [p], n_new)[0] for p in prompts]
+    assert_identical(opt_model, prompts, expected, alone)  # each prompt generated alone
+    assert_identical(opt_model, prompts, expected, together)  # all of them in one batch
 
 
 def test_greedy_without_eos_stop_matches_hf(opt_model):
     w = OPTWeights.from_hf(opt_model)
     prompts = random_prompts(4, w.vocab_size, seed=5)
     got = generate_greedy(w, DenseKVCache(w.num_layers), prompts, 6, stop_at_eos=False)
-    assert got == [hf_greedy(opt_model, p, 6, None, check_ties=False) for p in prompts]
+    assert_identical(opt_model, prompts, [hf_greedy(opt_model, p, 6, None, check_ties=False) for p in prompts], got)
 
 
 def test_generation_input_errors(opt_model):
