@@ -62,9 +62,9 @@ def test_reference_blocks_pass():
 
 
 def test_wrong_lookups_are_rejected():
-    assert rejected(lesson04.check_block_slots(logical_as_physical), "shuffled table", "max abs error")
-    assert rejected(lesson04.check_block_slots(no_mask), "partial last block", "must be masked")
-    assert rejected(lesson04.check_block_slots(wrong_block_index), "max abs error")
+    assert rejected(lesson04.check_block_slots(logical_as_physical), "probe kernel", "got slot")
+    assert rejected(lesson04.check_block_slots(no_mask), "which tokens of the tile exist")
+    assert rejected(lesson04.check_block_slots(wrong_block_index), "probe kernel")
 
 
 def test_wrong_softmax_updates_are_rejected():
@@ -76,3 +76,28 @@ def test_unsolved_kernel_exercise_is_reported(capsys):
     result = lesson04.check_online_softmax_update(unsolved_update)
     assert not result.implemented and result.use is K.online_softmax_update
     assert "not implemented yet" in capsys.readouterr().out
+
+
+@triton.jit
+def wild_slots(block_table_row_ptr, start, context_len, TILE: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+    token = start + tl.arange(0, TILE)
+    token_mask = token < context_len
+    block = tl.load(block_table_row_ptr + token, mask=token_mask, other=0)  # indexes the table by token
+    return block * 1000003 + token, token_mask  # slots far outside any cache: a full kernel would read wild memory
+
+
+@triton.jit
+def unsolved_slots(block_table_row_ptr, start, context_len, TILE: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+    raise NotImplementedError("Exercise 'block_slots' is not solved yet")
+
+
+def test_a_lookup_that_would_read_outside_the_cache_is_caught_by_the_probe():
+    """The probe runs the learner's lookup alone: the full kernel never gets slots that point outside the cache
+    (under the interpreter such a read can kill the notebook's kernel process instead of giving feedback)."""
+    assert rejected(lesson04.check_block_slots(wild_slots), "probe kernel", "expected")
+    assert rejected(lesson04.check_block_slots(no_mask), "probe kernel", "mask")
+
+
+def test_an_unsolved_lookup_is_reported_as_unsolved():
+    result = lesson04.check_block_slots(unsolved_slots)
+    assert not result.passed and not result.implemented

@@ -33,7 +33,7 @@ def test_fork_mistakes():
     def copies(parent, pool):
         return BlockTable(parent.block_size, [pool.allocate() for _ in parent.blocks], parent.num_tokens)
 
-    assert rejected(lesson05.check_fork_table(no_incref), "forget pool.incref")
+    assert rejected(lesson05.check_fork_table(no_incref), "one more holder")
     assert rejected(lesson05.check_fork_table(aliased), "list object")
     assert rejected(lesson05.check_fork_table(copies), "never allocates")
 
@@ -60,8 +60,8 @@ def test_copy_on_write_mistakes():
         pool.decref(old)
         return old, table.blocks[i]
 
-    assert rejected(lesson05.check_copy_on_write(no_repoint), "still says", "repoint")
-    assert rejected(lesson05.check_copy_on_write(no_decref), "pool.decref")
+    assert rejected(lesson05.check_copy_on_write(no_repoint), "the writer's table is now [4, 6]", "should point to the copy")
+    assert rejected(lesson05.check_copy_on_write(no_decref), "does the writer still hold it")
     assert rejected(lesson05.check_copy_on_write(always_copies), "nothing should change")
 
 
@@ -97,6 +97,6 @@ def test_prefix_hits_mistakes():
                 hits.append(b)
         return hits
 
-    assert rejected(lesson05.check_prefix_hits(no_parent), "different prefix", "chain each block's hash")
-    assert rejected(lesson05.check_prefix_hits(includes_last_token), "last token must be recomputed")
+    assert rejected(lesson05.check_prefix_hits(no_parent), "different prefix", "what does each block's hash depend on")
+    assert rejected(lesson05.check_prefix_hits(includes_last_token), "the one with the last prompt token")
     assert rejected(lesson05.check_prefix_hits(does_not_stop), "expected blocks")

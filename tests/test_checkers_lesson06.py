@@ -41,13 +41,13 @@ def test_swap_mapping_mistakes():
         dst, copies = swap.swap_mapping(src, allocate, already)
         return dst, [(d, s) for s, d in copies]
 
-    assert rejected(lesson06.check_swap_mapping(copies_shared_twice), "must not be copied again")
-    assert rejected(lesson06.check_swap_mapping(forgets_copies), "needs its copy")
-    assert rejected(lesson06.check_swap_mapping(reversed_copies), "(source block, destination block)")
+    assert rejected(lesson06.check_swap_mapping(copies_shared_twice), "what does `already` tell you")
+    assert rejected(lesson06.check_swap_mapping(forgets_copies), "which K/V would be lost")
+    assert rejected(lesson06.check_swap_mapping(reversed_copies), "which block is copied from")
 
 
 def test_choose_victim_mistakes():
-    assert rejected(lesson06.check_choose_victim(lambda running: running[0]), "admitted last")
+    assert rejected(lesson06.check_choose_victim(lambda running: running[0]), "arrived in the batch most recently")
     assert rejected(lesson06.check_choose_victim(lambda running: running[-1]), "the newest is not last")
     assert rejected(lesson06.check_choose_victim(lambda running: max(running, key=lambda s: s.len)), "expected")
     assert rejected(lesson06.check_choose_victim(lambda running: max(running, key=lambda s: s.admitted_step)), "same step")
@@ -67,5 +67,5 @@ def test_reset_mistakes():
         seq.kv_len = 0
 
     assert rejected(lesson06.check_reset_for_recompute(clears_output), "keeps every token")
-    assert rejected(lesson06.check_reset_for_recompute(keeps_cache), "must be 0")
-    assert rejected(lesson06.check_reset_for_recompute(no_count), "count this preemption")
+    assert rejected(lesson06.check_reset_for_recompute(keeps_cache), "still in the cache")
+    assert rejected(lesson06.check_reset_for_recompute(no_count), "expected 3")

@@ -50,7 +50,7 @@ def test_mistakes(w):
         s.admit(step); s.reserve_next_slots(); r.execute(s.running, step)
         return s.retire_finished(step)
 
-    assert rejected(lesson07.check_engine_step(no_retire, w), "retire_finished")
-    assert rejected(lesson07.check_engine_step(no_room, w), "reserve_next_slots")
-    assert rejected(lesson07.check_engine_step(run_then_admit, w), "admit new requests before")
-    assert rejected(lesson07.check_engine_step(no_cache, w), "cache_computed")
+    assert rejected(lesson07.check_engine_step(no_retire, w), "leave the batch")
+    assert rejected(lesson07.check_engine_step(no_room, w), "room for every running sequence")
+    assert rejected(lesson07.check_engine_step(run_then_admit, w), "in which step is a new request prefilled")
+    assert rejected(lesson07.check_engine_step(no_cache, w), "when are computed blocks registered")

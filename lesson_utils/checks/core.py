@@ -17,6 +17,9 @@ an unsolved exercise raises :class:`ExerciseFailed` instead.
 
 from __future__ import annotations
 
+import copy
+import dataclasses
+import numbers
 import os
 import traceback
 from dataclasses import dataclass
@@ -122,21 +125,96 @@ def _raised(name: str, case_text: str, err: BaseException, reference: Any, quiet
     )
 
 
+def type_problem(expected: Any, got: Any) -> str:
+    """What is wrong with the *kind* of value returned (type, tensor dtype, shape, device), or ''.
+
+    Checked before values are compared: a float tensor that equals a long one still breaks the indexing
+    that follows it, and an int that is a float (36864.0) is not a count of bytes.
+    """
+    try:
+        import torch
+    except ImportError:  # pragma: no cover
+        torch = None
+    if torch is not None and isinstance(expected, torch.Tensor):
+        if not isinstance(got, torch.Tensor):
+            return f"expected a torch.Tensor, got {type(got).__name__}"
+        if got.dtype != expected.dtype:
+            return f"expected dtype {expected.dtype}, got {got.dtype}"
+        if tuple(got.shape) != tuple(expected.shape):
+            return f"expected shape {tuple(expected.shape)}, got {tuple(got.shape)}"
+        return device_hint(expected, got)
+    if isinstance(expected, bool) or expected is None:
+        return "" if type(got) is type(expected) else f"expected {expected!r}, got a {type(got).__name__}"
+    if isinstance(expected, numbers.Integral):
+        return "" if isinstance(got, numbers.Integral) and not isinstance(got, bool) else f"expected an int, got {type(got).__name__} {got!r}"
+    if isinstance(expected, (tuple, list, dict)) and not isinstance(got, type(expected)):
+        return f"expected a {type(expected).__name__}, got {type(got).__name__}"
+    if isinstance(expected, (tuple, list)) and len(got) == len(expected):
+        for e, g in zip(expected, got):
+            problem = type_problem(e, g)
+            if problem:
+                return problem
+    return ""
+
+
 def default_equal(expected: Any, got: Any) -> bool:
+    if type_problem(expected, got):
+        return False
     try:
         import torch
 
-        if isinstance(expected, torch.Tensor) or isinstance(got, torch.Tensor):
-            return (
-                isinstance(expected, torch.Tensor)
-                and isinstance(got, torch.Tensor)
-                and expected.shape == got.shape
-                and expected.device == got.device
-                and bool(torch.equal(expected.to(got.dtype), got))
-            )
+        if isinstance(expected, torch.Tensor):
+            return bool(torch.equal(expected, got))
     except ImportError:  # pragma: no cover
         pass
     return expected == got
+
+
+def same_value(a: Any, b: Any) -> bool:
+    """Deep equality that understands tensors, dataclasses and namespaces (for "the input did not change")."""
+    try:
+        import torch
+
+        if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+            return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype
+                    and a.shape == b.shape and bool(torch.equal(a.cpu(), b.cpu())))
+    except ImportError:  # pragma: no cover
+        pass
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(same_value(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(same_value(a[k], b[k]) for k in a)
+    if dataclasses.is_dataclass(a):
+        return all(same_value(getattr(a, f.name), getattr(b, f.name)) for f in dataclasses.fields(a))
+    if hasattr(a, "__dict__") and not callable(a):
+        return same_value(vars(a), vars(b))
+    try:
+        import numpy as np
+
+        if isinstance(a, np.ndarray):
+            return a.shape == b.shape and bool((a == b).all())
+    except ImportError:  # pragma: no cover
+        pass
+    return a == b
+
+
+def _safe_explain(explain, case, expected, got) -> str:
+    """A checker's hint, or '' when there is none - or when the wrong answer is too strange for it."""
+    if explain is None:
+        return ""
+    try:
+        return explain(case, expected, got) or ""
+    except Exception:  # noqa: BLE001 - a hint must never turn a wrong answer into a crash
+        return ""
+
+
+def _changed_argument(before: tuple, after: tuple) -> int | None:
+    for i, (x, y) in enumerate(zip(before, after)):
+        if not same_value(x, y):
+            return i
+    return None
 
 
 def check_function(
@@ -149,26 +227,39 @@ def check_function(
     show_input: Callable[[tuple], str] | None = None,
     explain: Callable[[tuple, Any, Any], str] | None = None,
     quiet: bool = False,
+    arg_names: tuple[str, ...] = (),
 ) -> CheckResult:
     """Call ``learner(*case)`` and ``reference(*case)`` for every case; the first difference is reported.
 
-    ``explain(case, expected, got)`` may add a hint about the likely mistake.
+    The learner gets the case's own objects (the reference a deep copy), and its arguments must be unchanged
+    afterwards: every function checked this way is specified not to modify its inputs. The kind of value
+    returned is checked before the value (:func:`type_problem`). ``explain(case, expected, got)`` may add a
+    hint about the likely mistake; ``arg_names`` name the arguments in messages.
     """
     cases = list(cases)
     show_input = show_input or (lambda case: ", ".join(short(a) for a in case))
     for case in cases:
-        expected = reference(*case)
+        shown = show_input(case)
+        before = copy.deepcopy(case)
+        expected = reference(*copy.deepcopy(case))
         try:
             got = learner(*case)
         except NotImplementedError:
             return not_implemented(name, reference, quiet)
         except Exception as err:  # noqa: BLE001 - any learner error becomes feedback
-            return _raised(name, f"({show_input(case)})", err, reference, quiet)
-        if not equal(expected, got):
-            hint = device_hint(expected, got) or (explain(case, expected, got) if explain else "")
+            return _raised(name, f"({shown})", err, reference, quiet)
+        changed = _changed_argument(before, case)
+        if changed is not None:
+            what = arg_names[changed] if changed < len(arg_names) else f"argument {changed + 1}"
+            return failed(name, f"on input ({shown}) your code changed its input `{what}`; it must leave its inputs "
+                          "as they were (build a new value instead)", reference, quiet)
+        problem = type_problem(expected, got) if equal is default_equal else ""
+        if problem or not equal(expected, got):
+            hint = device_hint(expected, got) or _safe_explain(explain, case, expected, got)
             return failed(
                 name,
-                f"on input ({show_input(case)})\n    expected: {short(expected)}\n    got:      {short(got)}"
+                f"on input ({shown})\n    expected: {short(expected)}\n    got:      {short(got)}"
+                + (f"\n    {problem}" if problem and problem != hint else "")
                 + (f"\n    hint: {hint}" if hint else ""),
                 reference,
                 quiet,

@@ -27,6 +27,8 @@ def _config_cases(seed: int = 0) -> list[tuple]:
         (_config(40, 5120, 40, name="OPT-13B"), 2),
         (_config(32, 4096, 32, kv_heads=8, name="Llama-3-8B (GQA)"), 2),
         (_config(1, 64, 1, name="one layer, one head"), 1),
+        (_config(28, 3072, 16, kv_heads=16, head_dim=256, name="explicit head_dim (Gemma-7B)"), 2),
+        (_config(32, 4096, 32, kv_heads=8, head_dim=64, name="explicit head_dim, not hidden/heads"), 2),
     ]
     for _ in range(6):
         heads = rng.choice([4, 8, 16, 32])
@@ -45,11 +47,13 @@ def _explain_kv(case, expected, got):
     cfg, nbytes = case
     if isinstance(got, (int, float)) and got:
         if nbytes > 1 and got * nbytes == expected:
-            return "that counts elements, not bytes: multiply by dtype_bytes"
+            return "that looks like a number of elements: how many bytes does one element take?"
         if got * 2 == expected:
             return "exactly half: did you count both the key and the value?"
         if kv_math.kv_heads_of(cfg) != cfg.num_attention_heads and got * kv_math.kv_heads_of(cfg) == expected * cfg.num_attention_heads:
-            return "this is a grouped-query model: K/V are stored per KV head (num_key_value_heads), not per query head"
+            return "this is a grouped-query model: how many heads are K and V stored for (num_key_value_heads)?"
+        if getattr(cfg, "head_dim", None) and got * cfg.head_dim * cfg.num_attention_heads == expected * cfg.hidden_size:
+            return "this config states its head_dim: is it hidden_size / num_attention_heads here?"
     return ""
 
 
@@ -65,6 +69,27 @@ def check_kv_bytes_per_token(fn) -> CheckResult:
     )
 
 
+class _ScriptedStep:
+    """A stepper whose greedy token follows a script (with end-of-sequence in the middle): the spec asks for
+    exactly ``max_new_tokens`` tokens, eos or not. Counts tokens like :class:`Stepper`."""
+
+    def __init__(self, script: list[int], vocab_size: int):
+        self.script, self.vocab_size = script, vocab_size
+        self.tokens_processed = self.calls = 0
+
+    def __call__(self, new_tokens):
+        import torch
+
+        new_tokens = [int(t) for t in new_tokens]
+        if not new_tokens:
+            raise ValueError("step() needs at least one token")
+        logits = torch.zeros(self.vocab_size)
+        logits[self.script[min(self.calls, len(self.script) - 1)]] = 5.0
+        self.tokens_processed += len(new_tokens)
+        self.calls += 1
+        return logits
+
+
 def check_decode_with_cache(fn, w) -> CheckResult:
     """Exercise 00-2: greedy decoding through a cached stepper.
 
@@ -73,17 +98,27 @@ def check_decode_with_cache(fn, w) -> CheckResult:
     """
     name = "decode_with_cache"
     rng = random.Random(1)
-    cases = [([w.bos_token_id], 1), ([w.bos_token_id, 7], 5)]
-    cases += [([w.bos_token_id] + [rng.randrange(4, w.vocab_size) for _ in range(rng.randint(1, 12))], rng.randint(2, 8)) for _ in range(4)]
-    for prompt, n in cases:
-        expected = decode_with_cache(Stepper(w, cached=True), prompt, n)
-        step = Stepper(w, cached=True)
+    def model():
+        return Stepper(w, cached=True)
+
+    def emits_eos():  # a model that emits end-of-sequence mid-way
+        return _ScriptedStep([9, 17, w.eos_token_id, 23, 5, 6], w.vocab_size)
+
+    cases = [([w.bos_token_id], 1, model), ([w.bos_token_id, 7], 5, model)]
+    cases += [([w.bos_token_id] + [rng.randrange(4, w.vocab_size) for _ in range(rng.randint(1, 12))], rng.randint(2, 8), model)
+              for _ in range(4)]
+    cases.append(([w.bos_token_id, 40, 41], 6, emits_eos))
+    for prompt, n, make_step in cases:
+        expected = decode_with_cache(make_step(), prompt, n)
+        step = make_step()
         try:
             got = fn(step, prompt, n)
         except NotImplementedError:
             return not_implemented(name, decode_with_cache)
         except Exception as err:  # noqa: BLE001
             return failed(name, f"with prompt {prompt} and max_new_tokens={n} your code raised {type(err).__name__}: {err}", decode_with_cache)
+        if not isinstance(got, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in got):
+            return failed(name, f"with prompt {prompt}: return a list of ints (token ids), got {short(got)}", decode_with_cache)
         need = len(prompt) + n - 1
         if step.tokens_processed != need and got == expected:
             more = step.tokens_processed - need
@@ -102,6 +137,8 @@ def check_decode_with_cache(fn, w) -> CheckResult:
             hint = ""
             if isinstance(got, list) and len(got) != n:
                 hint = f"\n    hint: asked for {n} new tokens, got {len(got)}"
+                if w.eos_token_id in expected and len(got) < n:
+                    hint += " (end-of-sequence is just a token here: the exercise returns max_new_tokens of them)"
             elif step.tokens_processed > need:
                 hint = "\n    hint: the stepper remembers what it has seen; feeding the whole sequence again stores it twice"
             return failed(

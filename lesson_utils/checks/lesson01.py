@@ -8,7 +8,7 @@ import torch
 
 from .. import contiguous
 from ..kv_cache import StepBatch
-from .core import CheckResult, case_device, check_function, expect_error, passed
+from .core import CheckResult, case_device, check_function, expect_error, failed, passed
 
 
 def _random_holes(rng: random.Random, total: int = 200) -> list[tuple[int, int]]:
@@ -40,12 +40,12 @@ def _first_fit_cases() -> list[tuple]:
 def _explain_first_fit(case, expected, got):
     holes, n = case
     if expected is not None and got is None and any(length == n for _, length in holes):
-        return "a hole of exactly n slots fits (use >=, not >)"
+        return "there is a hole of exactly n slots here: does it count as large enough in your code?"
     if isinstance(got, tuple) and len(got) == 2 and isinstance(got[1], list):
         if any(length == 0 for _, length in got[1]):
-            return "a hole that is used up must disappear from the list, not stay with length 0"
+            return "a hole of length 0 is left in the list: is it still a hole?"
         if expected is not None and got[0] != expected[0]:
-            return "take the FIRST hole that is large enough (not the smallest, not the last)"
+            return "another hole than the expected one was used: which hole does *first* fit take?"
     return ""
 
 
@@ -53,11 +53,12 @@ def check_first_fit(fn) -> CheckResult:
     """Exercise 01-1a: first-fit allocation from a hole list."""
     return check_function(
         "first_fit",
-        lambda holes, n: fn(list(holes), n),
+        fn,
         contiguous.first_fit,
         _first_fit_cases(),
         show_input=lambda c: f"holes={c[0]}, n={c[1]}",
         explain=_explain_first_fit,
+        arg_names=("holes", "n"),
     )
 
 
@@ -84,9 +85,9 @@ def _release_cases() -> list[tuple]:
 def _explain_release(case, expected, got):
     if isinstance(got, list):
         if len(got) > len(expected) and sum(l for _, l in got) == sum(l for _, l in expected):
-            return "neighbouring holes must be merged into one (otherwise free memory crumbles into pieces)"
+            return "the free slots are right but there are more holes than needed: do any of them touch?"
         if sorted(got) == expected:
-            return "keep the hole list sorted by start"
+            return "the right holes, in another order: what order does the hole list keep?"
     return ""
 
 
@@ -95,12 +96,13 @@ def check_release(fn) -> CheckResult:
     name = "release"
     result = check_function(
         name,
-        lambda holes, s, n: fn(list(holes), s, n),
+        fn,
         contiguous.release,
         _release_cases(),
         show_input=lambda c: f"holes={c[0]}, start={c[1]}, length={c[2]}",
         explain=_explain_release,
         quiet=True,
+        arg_names=("holes", "start", "length"),
     )
     if not result.passed:
         print(result.message)
@@ -108,10 +110,16 @@ def check_release(fn) -> CheckResult:
     for holes, start, length, what in [
         ([(0, 10)], 0, 10, "freeing [0, 10) when it is already the free hole [0, 10) (a double free)"),
         ([(0, 10)], 5, 10, "freeing [5, 15), which overlaps the free hole [0, 10)"),
+        ([(10, 5)], 8, 4, "freeing [8, 12), which starts before the free hole [10, 15) and runs into it"),
+        ([(0, 4), (20, 5)], 3, 30, "freeing [3, 33), which covers the free hole [20, 25) and more"),
     ]:
+        kept = list(holes)
         bad = expect_error(name, fn, (holes, start, length), ValueError, what, contiguous.release, quiet=False)
         if bad is not None:
             return bad
+        if holes != kept:
+            return failed(name, f"{what}: your code raised ValueError, but it had already changed the hole list to "
+                          f"{holes}; a refused call must leave everything as it was", contiguous.release)
     return passed(name, f"{len(_release_cases())} frees merge like the reference, and double frees raise ValueError.", fn)
 
 
@@ -143,19 +151,20 @@ def check_slot_mapping(fn) -> CheckResult:
         if not isinstance(got, torch.Tensor):
             return "return a torch.LongTensor with one slot per new token"
         if got.shape == expected.shape and torch.equal(got, b.positions):
-            return "add each sequence's region start: slot = start of its reservation + position"
+            return "these are the positions alone: where does each sequence's reservation begin?"
         in_step = torch.cat([torch.arange(n) for n in b.query_lens]).to(got.device)
         if got.shape == expected.shape and torch.equal(got - expected, -(b.positions - in_step)):
-            return "use each token's position in its sequence, not its index within this step"
+            return "a token's position counts from the start of its sequence, not of this step"
         return ""
 
     return check_function(
         "slot_mapping",
-        lambda b, s: fn(b, list(s)),
+        fn,
         contiguous.slot_mapping,
         _batches(),
         show_input=show,
         explain=explain,
+        arg_names=("batch", "region_starts"),
     )
 
 

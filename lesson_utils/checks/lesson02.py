@@ -35,12 +35,15 @@ def _allocation_cases() -> list[tuple]:
 
 
 def _equal_kinds(expected, got) -> bool:
-    return isinstance(got, np.ndarray) and got.shape == expected.shape and bool((got == expected).all())
+    return (isinstance(got, np.ndarray) and got.shape == expected.shape and np.issubdtype(got.dtype, np.integer)
+            and bool((got == expected).all()))
 
 
 def _explain_kinds(case, expected, got):
     if not isinstance(got, np.ndarray) or got.shape != expected.shape:
         return f"return a numpy array with one entry per slot (shape {expected.shape})"
+    if not np.issubdtype(got.dtype, np.integer):
+        return f"the kinds are small integers (R.TOKEN, R.RESERVED, ...): expected an integer array, got dtype {got.dtype}"
     bad = np.flatnonzero(got != expected)
     i = int(bad[0])
     total, allocs = case
@@ -59,12 +62,13 @@ def check_classify_slots(fn) -> CheckResult:
 
     return check_function(
         "classify_slots",
-        lambda total, allocs: fn(total, list(allocs)),
+        fn,
         R.classify_slots,
         _allocation_cases(),
         equal=_equal_kinds,
         show_input=short_case,
         explain=_explain_kinds,
+        arg_names=("total_slots", "allocations"),
     )
 
 
@@ -89,10 +93,11 @@ def check_external_fragmentation(fn) -> CheckResult:
     """Exercise 02-2: how scattered free memory is."""
     return check_function(
         "external_fragmentation",
-        lambda holes: fn(list(holes)),
+        fn,
         R.external_fragmentation,
         _hole_cases(),
         equal=lambda e, g: isinstance(g, (int, float, np.floating)) and not np.isnan(g) and abs(float(g) - e) < 1e-9,
         show_input=lambda c: f"holes={c[0]}",
         explain=_explain_frag,
+        arg_names=("holes",),
     )

@@ -22,6 +22,25 @@ def _call(fn, *args):
         return None, err
 
 
+def _state(a) -> tuple:
+    """Everything an allocator's correctness depends on: a refused call must leave it unchanged."""
+    return (list(a._free_queue), list(a._is_free), a.num_free)
+
+
+def _refused(name, a, call, arg, expected, what):
+    """None when ``call(arg)`` raises ``expected`` and leaves the allocator as it was; else a failed result."""
+    before = _state(a)
+    value, err = _call(call, arg) if arg is not None else _call(call)
+    if not isinstance(err, expected):
+        got = f"raised {type(err).__name__}: {err}" if err else f"returned {value!r}"
+        return failed(name, f"{what} {got}; expected {expected.__name__}", BlockAllocator)
+    if _state(a) != before:
+        return failed(name, f"{what} raised {expected.__name__} as it should, but had already changed the allocator "
+                      f"(num_free {before[2]} -> {a.num_free}): a refused call must change nothing, or a block ends up "
+                      "handed out twice", BlockAllocator)
+    return None
+
+
 def check_block_allocator(cls) -> CheckResult:
     """Exercise 03-1: ``allocate`` and ``free`` of a subclass of ``BlockAllocator``."""
     name = "block allocator"
@@ -30,10 +49,13 @@ def check_block_allocator(cls) -> CheckResult:
         got = [_call(a.allocate)[0] for _ in range(4)]
         if sorted(x for x in got if x is not None) != [0, 1, 2, 3] or None in got:
             return failed(name, f"allocating all 4 blocks of a fresh allocator gave {got}; expected each of 0, 1, 2, 3 once", BlockAllocator)
-        value, err = _call(a.allocate)
-        if not isinstance(err, OutOfBlocks):
-            what = f"raised {type(err).__name__}: {err}" if err else f"returned {value!r}"
-            return failed(name, f"allocate() with no free block left {what}; expected OutOfBlocks (the scheduler catches exactly that)", BlockAllocator)
+        bad = _refused(name, a, a.allocate, None, OutOfBlocks, "allocate() with no free block left (the scheduler catches OutOfBlocks)")
+        if bad is not None:
+            return bad
+        for held_id in (-1, -4, 4):  # every block is held: a negative id must not wrap around to a held block
+            bad = _refused(name, a, a.free, held_id, ValueError, f"free({held_id}) while every block of 4 is held")
+            if bad is not None:
+                return bad
         _, err = _call(a.free, got[2])
         if err:
             return failed(name, f"free({got[2]}) of a held block raised {type(err).__name__}: {err}", BlockAllocator)
@@ -45,15 +67,13 @@ def check_block_allocator(cls) -> CheckResult:
         b = cls(4)
         first = b.allocate()
         b.free(first)
-        value, err = _call(b.free, first)
-        if not isinstance(err, ValueError):
-            what = f"raised {type(err).__name__}: {err}" if err else "returned normally"
-            return failed(name, f"freeing block {first} twice {what}; expected ValueError (a double free would hand one block to two sequences)", BlockAllocator)
-        for bad in (4, -1, 100):
-            value, err = _call(b.free, bad)
-            if not isinstance(err, ValueError):
-                what = f"raised {type(err).__name__}: {err}" if err else "returned normally"
-                return failed(name, f"free({bad}) on a 4-block allocator {what}; expected ValueError for an out-of-range id", BlockAllocator)
+        bad = _refused(name, b, b.free, first, ValueError, f"freeing block {first} twice (a double free)")
+        if bad is not None:
+            return bad
+        for out_of_range in (4, -1, 100):
+            bad = _refused(name, b, b.free, out_of_range, ValueError, f"free({out_of_range}) on a 4-block allocator (out of range)")
+            if bad is not None:
+                return bad
         # randomized: never hand out a held block, counts always right
         rng, c, held = random.Random(0), cls(16), set()
         for i in range(300):
@@ -96,14 +116,16 @@ def check_grow_block_table(fn) -> CheckResult:
                 return not_implemented(name, bt.grow_block_table)
             except Exception as err:  # noqa: BLE001
                 return failed(name, f"with block_size={block_size}, growing from {n} tokens raised {type(err).__name__}: {err}", bt.grow_block_table)
-            if isinstance(result, list) and result is not got:
-                got = result  # accept a returned table as well
+            if isinstance(result, list) and result is not got and got != ref and result == ref:
+                return failed(name, f"with block_size={block_size}, growing from {n} tokens: you returned a new table, "
+                              f"but the caller's table is still {got}. The engine keeps using the table it passed in: "
+                              "grow that list itself (in place)", bt.grow_block_table)
             if got != ref:
                 hint = ""
                 if len(got) > len(ref):
-                    hint = "a block holds block_size tokens: allocate only when the new token is the first of a block"
+                    hint = f"{len(got)} blocks for {n + 1} tokens: how many tokens does one block hold?"
                 elif len(got) < len(ref):
-                    hint = "the first token (num_tokens == 0) already needs a block; allocate when num_tokens % block_size == 0"
+                    hint = f"{len(got)} blocks for {n + 1} tokens: which token is the first to need a new block?"
                 return failed(
                     name,
                     f"with block_size={block_size}, after growing from {n} to {n + 1} tokens\n"
@@ -124,8 +146,8 @@ def _slot_cases():
         pool = list(range(400))
         rng.shuffle(pool)
         tables = []
-        for clen in batch.context_lens:
-            need = bt.blocks_needed(clen, block_size)
+        for i, clen in enumerate(batch.context_lens):
+            need = bt.blocks_needed(clen, block_size) + (i == 0)  # the first table holds a spare block for later
             tables.append([pool.pop() for _ in range(need)])
         cases.append((batch, tables, block_size))
     return cases
@@ -143,25 +165,27 @@ def check_slot_mapping(fn) -> CheckResult:
         if not isinstance(got, torch.Tensor) or got.shape != expected.shape:
             return "return one slot per new token, as a torch.long tensor"
         if torch.equal(got, b.positions):
-            return "the position alone ignores the block table: slot = table[p // block_size] * block_size + p % block_size"
-        return "look up the physical block in the sequence's table, multiply by block_size, add the offset p % block_size"
+            return "these are the positions alone: where does the block table come in?"
+        return "for one token, work out by hand which logical block and offset it has, then which physical block"
 
     return check_function(
         "slot_mapping",
-        lambda b, t, bs: fn(b, [list(x) for x in t], bs),
+        fn,
         bt.slot_mapping,
         _slot_cases(),
         show_input=show,
         explain=explain,
+        arg_names=("batch", "block_tables", "block_size"),
     )
 
 
 def _gather_cases():
     gen = torch.Generator().manual_seed(4)
     cases = []
-    for block_size, ctx in [(4, 1), (4, 8), (4, 7), (16, 40), (1, 5)]:
+    for block_size, ctx, spare in [(4, 1, 0), (4, 8, 0), (4, 7, 0), (16, 40, 0), (1, 5, 0), (4, 8, 1), (16, 17, 1)]:
         cache = torch.randn(12, block_size, 2, 3, generator=gen).to(case_device())
-        table = torch.randperm(12, generator=gen)[: bt.blocks_needed(ctx, block_size)].tolist()
+        # spare: the table already holds the block reserved for the next token (the engine does that)
+        table = torch.randperm(12, generator=gen)[: bt.blocks_needed(ctx, block_size) + spare].tolist()
         cases.append((cache, table, ctx))
     return cases
 
@@ -172,17 +196,18 @@ def check_gather_kv(fn) -> CheckResult:
     def explain(case, expected, got):
         cache, table, ctx = case
         if isinstance(got, torch.Tensor) and got.dim() == 3 and got.shape[0] > ctx:
-            return "cut the result to context_len tokens: the last block's tail holds someone else's (or no) data"
+            return "more tokens than context_len: what sits in the slots past the last token?"
         if isinstance(got, torch.Tensor) and got.shape == expected.shape:
-            return "take the blocks in the order of the block table - the physical ids are not sorted"
+            return "the right shape, other values: in what order do the blocks of a sequence come?"
         return f"expected shape {tuple(expected.shape)} = [context_len, kv_heads, head_dim]"
 
     return check_function(
         "gather_kv",
-        lambda cache, table, ctx: fn(cache, list(table), ctx),
+        fn,
         bt.gather_kv,
         _gather_cases(),
         show_input=lambda c: f"cache {tuple(c[0].shape)}, block_table={c[1]}, context_len={c[2]}",
         explain=explain,
+        arg_names=("cache", "block_table", "context_len"),
     )
 

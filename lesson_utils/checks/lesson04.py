@@ -9,9 +9,58 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+import triton
+import triton.language as tl
 
 from .. import kernels as K
+from ..device_discipline import kernel_launch
 from .core import CheckResult, case_device, failed, not_implemented, passed
+
+PROBE_PAD = 1024  # table entries on each side of a probe's table: a wrong index reads padding, not foreign memory
+
+
+@triton.jit
+def _probe_slots(table_ptr, slots_ptr, mask_ptr, start, context_len, SLOTS: tl.constexpr, TILE: tl.constexpr,
+                 BLOCK_SIZE: tl.constexpr):
+    """Runs a learner's ``block_slots`` alone and stores what it returns: nothing is loaded *through* the
+    slots, so a wrong slot cannot make the kernel read outside the cache (in the interpreter that would
+    crash the Python process, and the learner would see a dead kernel instead of feedback)."""
+    slot, token_mask = SLOTS(table_ptr, start, context_len, TILE, BLOCK_SIZE)
+    i = tl.arange(0, TILE)
+    tl.store(slots_ptr + i, slot.to(tl.int64))
+    tl.store(mask_ptr + i, token_mask.to(tl.int32))
+
+
+def _probe_block_slots(fn) -> str:
+    """'' when ``fn`` returns the right slots and mask on probe cases; else what was wrong. Raises what the
+    learner's code raises (NotImplementedError included)."""
+    dev = case_device()
+    for block_size, tile, start, context_len in [(8, 8, 0, 8), (8, 16, 16, 29), (4, 32, 0, 13), (16, 16, 16, 17), (8, 8, 0, 1)]:
+        g = torch.Generator().manual_seed(block_size * 100 + context_len)
+        needed = -(-context_len // block_size)
+        table = torch.randperm(64, generator=g)[: max(needed, 1)].to(torch.int32)
+        buffer = torch.zeros(2 * PROBE_PAD + len(table), dtype=torch.int32)
+        buffer[PROBE_PAD : PROBE_PAD + len(table)] = table
+        buffer = buffer.to(dev)
+        slots = torch.zeros(tile, dtype=torch.int64, device=dev)
+        mask = torch.zeros(tile, dtype=torch.int32, device=dev)
+        with np.errstate(all="ignore"), kernel_launch():
+            _probe_slots[(1,)](buffer[PROBE_PAD:], slots, mask, start, context_len, SLOTS=fn, TILE=tile, BLOCK_SIZE=block_size)
+        token = torch.arange(start, start + tile)
+        want_mask = token < context_len
+        want = torch.where(want_mask, table.long()[torch.clamp(token // block_size, max=len(table) - 1)] * block_size
+                           + token % block_size, 0)
+        got_mask, got = mask.cpu().bool(), slots.cpu()
+        case = f"block size {block_size}, tokens {start}..{start + tile - 1}, context length {context_len}, table {table.tolist()}"
+        if not torch.equal(got_mask, want_mask):
+            t = int((got_mask != want_mask).nonzero()[0, 0])
+            return (f"{case}: token {start + t} has mask {bool(got_mask[t])}, expected {bool(want_mask[t])} - which tokens "
+                    "of the tile exist?")
+        if not torch.equal(got[want_mask], want[want_mask]):
+            t = int((got != want).logical_and(want_mask).nonzero()[0, 0])
+            return (f"{case}: token {start + t} got slot {int(got[t])}, expected {int(want[t])} - which logical block "
+                    "and offset is that token, and which physical block does the table give?")
+    return ""
 
 
 def _case(seed, ctxs, *, block_size=8, heads=2, kv_heads=1, head_dim=16, spare=None, q_scale=1.0, shuffle=True):
@@ -79,6 +128,16 @@ def check_block_slots(fn) -> CheckResult:
         ("context 1", "a single token", "simple", _case(4, [1, 9])),
         ("several blocks per tile", "the tiled variant looks up many blocks at once", "tiled", _case(5, [37, 70])),
     ]
+    try:  # the block alone first: wrong slots must be reported before a full kernel reads through them
+        problem = _probe_block_slots(fn)
+    except NotImplementedError:
+        return not_implemented("block_slots", K.block_slots)
+    except Exception as err:  # noqa: BLE001 - compile or runtime errors become feedback
+        if "NotImplementedError" in repr(err) or "not solved yet" in str(err):
+            return not_implemented("block_slots", K.block_slots)
+        return failed("block_slots", f"running your block_slots alone raised {type(err).__name__}: {str(err)[:400]}", K.block_slots)
+    if problem:
+        return failed("block_slots", f"your block_slots, run alone in a probe kernel: {problem}", K.block_slots)
     result = _run_cases("block_slots", cases, {"slots_fn": fn}, K.block_slots)
     if result.passed:
         result.use = fn

@@ -8,7 +8,7 @@ from ..block_table import BlockTable
 from .core import CheckResult, failed, not_implemented, passed
 
 
-def _pool_with(tables_blocks: list[list[int]], num_blocks: int = 12) -> tuple[BlockPool, list[BlockTable]]:
+def _pool_with(tables_blocks: list[list[int]], num_blocks: int = 12, block_size: int = 4) -> tuple[BlockPool, list[BlockTable]]:
     pool = BlockPool(num_blocks)
     tables = []
     for blocks in tables_blocks:
@@ -16,15 +16,30 @@ def _pool_with(tables_blocks: list[list[int]], num_blocks: int = 12) -> tuple[Bl
             if pool.ref_count[b] == 0:
                 del pool._free[b]
             pool.ref_count[b] += 1
-        tables.append(BlockTable(4, list(blocks), 4 * len(blocks) - 1))
+        tables.append(BlockTable(block_size, list(blocks), block_size * len(blocks) - 1))
     return pool, tables
+
+
+def _pool_state(pool: BlockPool) -> tuple:
+    """What a lookup must not change: counts, the free queue (and its order), the cached hashes."""
+    return (list(pool.ref_count), list(pool._free), dict(pool.hash_of), dict(pool.tokens_of))
+
+
+def _call(fn, *args):
+    """(value, None) or (None, exception) for one learner call; NotImplementedError propagates."""
+    try:
+        return fn(*args), None
+    except NotImplementedError:
+        raise
+    except Exception as err:  # noqa: BLE001 - any learner error becomes feedback
+        return None, err
 
 
 def check_fork_table(fn) -> CheckResult:
     """Exercise 05-1: fork = share the parent's blocks, bump their counts, allocate nothing."""
     name = "fork_table"
-    for blocks in ([3, 7, 1], [5], [2, 3, 9, 0]):
-        pool, (parent,) = _pool_with([blocks])
+    for blocks, block_size in (([3, 7, 1], 4), ([5], 16), ([2, 3, 9, 0], 8), ([6, 4], 1)):
+        pool, (parent,) = _pool_with([blocks], block_size=block_size)
         before_counts, before_free = list(pool.ref_count), pool.num_free
         try:
             child = fn(parent, pool)
@@ -38,12 +53,17 @@ def check_fork_table(fn) -> CheckResult:
             return failed(name, f"forking allocated {before_free - pool.num_free} block(s): a fork shares the parent's blocks, it never allocates", sharing.fork_table)
         if child.blocks != blocks or child.num_tokens != parent.num_tokens:
             return failed(name, f"the child's table is {child.blocks} with {child.num_tokens} tokens; expected the parent's {blocks} with {parent.num_tokens}", sharing.fork_table)
+        if child.block_size != parent.block_size:
+            return failed(name, f"the parent's blocks hold {parent.block_size} tokens, the child's table says {child.block_size}: "
+                          "where can the child's table take its block size from?", sharing.fork_table)
+        if parent.blocks != blocks:
+            return failed(name, f"the parent's table changed to {parent.blocks}: a fork leaves the parent as it was", sharing.fork_table)
         if child.blocks is parent.blocks:
             return failed(name, "the child's block list IS the parent's list object: when one grows, the other would too. Copy the list (the blocks stay shared).", sharing.fork_table)
         for b in set(blocks):
             want = before_counts[b] + blocks.count(b)
             if pool.ref_count[b] != want:
-                return failed(name, f"block {b}'s reference count is {pool.ref_count[b]} after the fork; expected {want} (one more holder: the child). Did you forget pool.incref?", sharing.fork_table)
+                return failed(name, f"block {b}'s reference count is {pool.ref_count[b]} after the fork; expected {want} (one more holder: the child): how does the pool learn that?", sharing.fork_table)
     return passed(name, "the child shares every block, counts went up by one, nothing was allocated.", fn)
 
 
@@ -60,23 +80,31 @@ def check_copy_on_write(fn) -> CheckResult:
         return failed(name, f"on an exclusive block your code raised {type(err).__name__}: {err}", sharing.copy_on_write)
     if got is not None or t.blocks != [4, 6] or pool.num_free != 10:
         return failed(name, f"block 6 is held by this table only (count 1): nothing should change, but you returned {got!r} and the table is {t.blocks}, {12 - pool.num_free} blocks held (expected 2)", sharing.copy_on_write)
-    # shared block: copy, repoint the writer only
-    pool, (writer, other) = _pool_with([[4, 6], [4, 6]])
-    got = fn(writer, 1, pool)
-    if not (isinstance(got, tuple) and len(got) == 2 and got[0] == 6):
-        return failed(name, f"block 6 is shared by two tables: expected (6, new_block) - the copy the cache must make - but got {got!r}", sharing.copy_on_write)
-    new = got[1]
-    if writer.blocks[1] != new:
-        return failed(name, f"you copied block 6 to block {new} but the writer's table still says {writer.blocks}: repoint writer.blocks[1] to the copy", sharing.copy_on_write)
-    if other.blocks != [4, 6]:
-        return failed(name, f"the other sequence's table changed to {other.blocks}: only the writer is repointed", sharing.copy_on_write)
-    if pool.ref_count[6] != 1:
-        return failed(name, f"block 6 has count {pool.ref_count[6]} after the copy; expected 1 (the writer let go of it: pool.decref)", sharing.copy_on_write)
-    if pool.ref_count[new] != 1:
-        return failed(name, f"the new block {new} has count {pool.ref_count[new]}; expected 1 (allocate it from the pool)", sharing.copy_on_write)
-    if pool.ref_count[4] != 2:
-        return failed(name, f"block 4 was not written and must stay shared (count 2), but has count {pool.ref_count[4]}", sharing.copy_on_write)
-    return passed(name, "exclusive blocks are left alone; a shared block is copied and only the writer repointed.", fn)
+    # shared block: copy, repoint the writer only - at the last block, and at one that is not the last
+    for index in (1, 0):
+        pool, (writer, other) = _pool_with([[4, 6], [4, 6]])
+        old, kept = writer.blocks[index], writer.blocks[1 - index]
+        got, err = _call(fn, writer, index, pool)
+        if err is not None:
+            return failed(name, f"writing into block {old} (shared by two tables, at index {index}) raised "
+                          f"{type(err).__name__}: {err}", sharing.copy_on_write)
+        if not (isinstance(got, tuple) and len(got) == 2 and got[0] == old and isinstance(got[1], int)):
+            return failed(name, f"block {old} (index {index}) is shared by two tables: expected the copy the cache must "
+                          f"make, ({old}, new_block), but got {got!r}", sharing.copy_on_write)
+        new = got[1]
+        if writer.blocks[index] != new or writer.blocks[1 - index] != kept:
+            return failed(name, f"you copied block {old} to block {new}, and the writer's table is now {writer.blocks}: "
+                          f"only its entry {index} should point to the copy", sharing.copy_on_write)
+        if other.blocks != [4, 6]:
+            return failed(name, f"the other sequence's table changed to {other.blocks}: only the writer is repointed", sharing.copy_on_write)
+        if pool.ref_count[old] != 1:
+            return failed(name, f"block {old} has count {pool.ref_count[old]} after the copy; expected 1: does the writer "
+                          "still hold it?", sharing.copy_on_write)
+        if pool.ref_count[new] != 1:
+            return failed(name, f"the new block {new} has count {pool.ref_count[new]}; expected 1: where did it come from?", sharing.copy_on_write)
+        if pool.ref_count[kept] != 2:
+            return failed(name, f"block {kept} was not written and must stay shared (count 2), but has count {pool.ref_count[kept]}", sharing.copy_on_write)
+    return passed(name, "exclusive blocks are left alone; a shared block (last or not) is copied and only the writer repointed.", fn)
 
 
 def _cached_pool(block_size: int = 2):
@@ -113,21 +141,28 @@ def check_prefix_hits(fn) -> CheckResult:
     pool.tokens_of[ids["a", 1]] = (7, 7)  # a hash collision stand-in: same hash, other tokens
     cases.append(("a hash whose block holds other tokens (a collision)", pool, [1, 2, 3, 4, 5, 6, 0], [ids["a", 0]]))
     for what, pool, tokens, want in cases:
+        before = _pool_state(pool)
         try:
             got = fn(pool, tokens, 2, block_hash)
         except NotImplementedError:
             return not_implemented(name, sharing.prefix_hits)
         except Exception as err:  # noqa: BLE001
             return failed(name, f"case '{what}': your code raised {type(err).__name__}: {err}", sharing.prefix_hits)
+        if not isinstance(got, (list, tuple)) or not all(isinstance(b, int) and not isinstance(b, bool) for b in got):
+            return failed(name, f"case '{what}': return a list of block ids (ints), got {got!r}", sharing.prefix_hits)
+        if _pool_state(pool) != before:
+            return failed(name, f"case '{what}': looking up the prefix changed the pool (reference counts, free queue or "
+                          "cached hashes). A lookup only finds blocks; the block manager takes them afterwards - "
+                          "taking them here too would leak them", sharing.prefix_hits)
         if list(got) != want:
             got = list(got)
             if got[: len(want)] == want and len(got) == len(want) + 1 and len(tokens) % 2 == 0:
-                hint = "the block holding the last prompt token must not hit: its logits are needed (the last token must be recomputed)"
+                hint = "one block too many, the one with the last prompt token: what does the model still need from that token?"
             elif any(b not in want for b in got):
-                hint = ("a hit belongs to a different prefix or holds other tokens: chain each block's hash with its "
-                        "parent's, let pool.lookup check the tokens, and stop at the first miss")
+                hint = ("a block you returned holds the same tokens after a different prefix, or other tokens: what "
+                        "does each block's hash depend on, and what does pool.lookup compare?")
             else:
-                hint = "keep walking block by block while the lookups hit"
+                hint = "fewer hits than cached: does your walk go on while the lookups hit?"
             return failed(
                 name,
                 f"case '{what}' (block size 2, prompt {tokens})\n    expected blocks: {want}\n    got blocks:      {got}"

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from ..block_allocator import OutOfBlocks
-from ..engine import Engine, default_step
+from ..engine import Engine, ModelRunner, default_step
 from ..paged_cache import PagedKVCache
 from ..sharing import SharingBlockManager
 from .core import CheckResult, failed, not_implemented, passed
@@ -13,20 +15,42 @@ from .core import CheckResult, failed, not_implemented, passed
 MAX_STEPS = 400
 
 
-def _run(w, step_fn, prompts, max_new, num_blocks):
+class _LogitsRunner(ModelRunner):
+    """The model runner, keeping every step's logits: a wrong step can leave the tokens of the tiny ci model
+    unchanged (its argmax rarely moves) while the computation under them is wrong."""
+
+    def __init__(self, w, cache):
+        super().__init__(w, cache)
+        self.logged: list[tuple[list[int], torch.Tensor]] = []
+
+    def logits(self, seqs):
+        out = super().logits(seqs)
+        self.logged.append(([s.seq_id for s in seqs], out.float().cpu()))
+        return out
+
+
+@dataclass
+class _Run:
+    outputs: list[list[int]]
+    finished_per_step: list[list[int]]  # seq ids returned as finished, step by step
+    hits: int  # prompt tokens served from the prefix cache
+    registered: set  # hashes of the blocks registered in the prefix cache
+    logits: list[tuple[list[int], torch.Tensor]]
+
+
+def _run(w, step_fn, prompts, max_new, num_blocks) -> _Run:
     manager = SharingBlockManager(num_blocks, 4, max_seq_len=w.max_positions)
-    cache = PagedKVCache.for_model(w, manager=manager, dtype=w.embed_tokens.dtype, device=str(w.embed_tokens.device))
+    cache = PagedKVCache.for_model(w, manager=manager)
     engine = Engine(w, cache, step_fn=step_fn)
-    seqs = []
-    for p in prompts:  # the later prompts share the first's prefix and arrive after it finished
-        seqs.append(engine.add_request(p, max_new))
-    steps = 0
+    engine.runner = runner = _LogitsRunner(w, cache)
+    seqs = [engine.add_request(p, max_new) for p in prompts]  # the later prompts share the first's prefix
+    finished = []
     while engine.scheduler.has_work:
-        engine.step()
-        steps += 1
-        if steps > MAX_STEPS:
+        finished.append(sorted(s.seq_id for s in engine.step()))
+        if len(finished) > MAX_STEPS:
             raise TimeoutError(f"still running after {MAX_STEPS} steps")
-    return [s.output_ids for s in seqs], steps, manager
+    return _Run([s.output_ids for s in seqs], finished, manager.cached_prompt_tokens, set(manager.pool.block_of),
+                runner.logged)
 
 
 def check_engine_step(fn, w) -> CheckResult:
@@ -35,25 +59,35 @@ def check_engine_step(fn, w) -> CheckResult:
     g = torch.Generator().manual_seed(7)
     shared = [w.bos_token_id] + torch.randint(4, w.vocab_size, (12,), generator=g).tolist()
     prompts = [shared + torch.randint(4, w.vocab_size, (n,), generator=g).tolist() for n in (1, 3, 6, 2)]
-    want, want_steps, ref_mgr = _run(w, default_step, prompts, 6, 12)
+    ref = _run(w, default_step, prompts, 6, 12)
     try:
-        got, steps, mgr = _run(w, fn, prompts, 6, 12)
+        got = _run(w, fn, prompts, 6, 12)
     except NotImplementedError:
         return not_implemented(name, default_step)
     except TimeoutError as err:
-        return failed(name, f"{err}: finished sequences must leave the batch (scheduler.retire_finished(step))", default_step)
+        return failed(name, f"{err}: do finished sequences ever leave the batch?", default_step)
     except OutOfBlocks as err:
-        return failed(name, f"the model ran out of blocks ({err}): make room for every running sequence's next token "
-                      "(scheduler.reserve_next_slots()) before running the model - it preempts when memory is short", default_step)
+        return failed(name, f"the model ran out of blocks ({err}): was there room for every running sequence's next "
+                      "token before the model ran? (the scheduler can make it, preempting if memory is short)", default_step)
     except Exception as err:  # noqa: BLE001
         return failed(name, f"your step raised {type(err).__name__}: {err}", default_step)
-    if got != want:
-        bad = next(i for i, (a, b) in enumerate(zip(got, want)) if a != b)
-        return failed(name, f"request {bad} generated {got[bad]}; expected {want[bad]}", default_step)
-    if ref_mgr.cached_prompt_tokens and not mgr.cached_prompt_tokens:
-        return failed(name, "outputs are right, but the prefix cache never hit: after running the model, register each "
-                      "running sequence's computed blocks (manager.cache_computed(seq))", default_step)
-    if steps > want_steps:
-        return failed(name, f"serving took {steps} steps instead of {want_steps}: admit new requests before running the "
-                      "model, so they are prefilled in the step they are admitted", default_step)
-    return passed(name, f"same outputs, same {steps} steps and the same prefix-cache hits as the course's engine.", fn)
+    if got.outputs != ref.outputs:
+        bad = next(i for i, (a, b) in enumerate(zip(got.outputs, ref.outputs)) if a != b)
+        return failed(name, f"request {bad} generated {got.outputs[bad]}; expected {ref.outputs[bad]}", default_step)
+    if got.hits != ref.hits or got.registered != ref.registered:
+        return failed(name, f"outputs are right, but the prefix cache served {got.hits} prompt tokens (expected "
+                      f"{ref.hits}) and holds {len(got.registered)} registered blocks (expected {len(ref.registered)}): "
+                      "when are computed blocks registered?", default_step)
+    if len(got.finished_per_step) > len(ref.finished_per_step):
+        return failed(name, f"serving took {len(got.finished_per_step)} steps instead of {len(ref.finished_per_step)}: "
+                      "in which step is a new request prefilled with your order of phases?", default_step)
+    if got.finished_per_step != ref.finished_per_step:
+        step = next(i for i, (a, b) in enumerate(zip(got.finished_per_step, ref.finished_per_step)) if a != b)
+        return failed(name, f"at step {step} your step returned sequences {got.finished_per_step[step]} as finished; "
+                      f"expected {ref.finished_per_step[step]} (what should a step return?)", default_step)
+    for (ids, g), (ref_ids, r) in zip(got.logits, ref.logits):
+        if ids != ref_ids or g.shape != r.shape or not torch.allclose(g, r, atol=1e-4, rtol=1e-4):
+            return failed(name, "same tokens, but the model computed other logits along the way: is every step "
+                          "running the model once, over the right sequences?", default_step)
+    return passed(name, f"same outputs, logits, finished sequences per step, {len(got.finished_per_step)} steps and "
+                  "prefix-cache hits as the course's engine.", fn)
