@@ -192,7 +192,7 @@ def banner() -> str:
     where = "Colab" if in_colab() else "local"
     mode = "interpreter" if os.environ.get("TRITON_INTERPRET") == "1" else "compiled"
     return (
-        f"{p.device_name} | profile {p.name} ({str(p.dtype).replace('torch.', '')}) | {where} | "
+        f"{p.device_name} | profile {p.name} ({str(p.dtype).replace('torch.', '')}) | {where}\n"
         f"python {v['python']}, torch {v['torch']}, triton {v['triton']} ({mode}), "
         f"transformers {v['transformers']}"
     )

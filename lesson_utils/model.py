@@ -57,13 +57,21 @@ class ByteTokenizer:
 
     def decode(self, ids) -> str:
         """Text of ``ids``. Special ids are skipped; an id beyond the byte range (a random model with a
-        larger vocabulary emits them) and invalid UTF-8 both come out as the replacement character."""
-        out = bytearray()
+        larger vocabulary emits them) is shown as ``<id 287>``, and a byte that is not valid UTF-8 (random
+        weights emit plenty) as ``\\xff``: readable, where replacement characters would print as boxes."""
+        out: list[str] = []
+        run = bytearray()
         for i in (int(t) for t in ids):
             if i < self.offset:
                 continue
-            out.extend(bytes([i - self.offset]) if i < self.vocab_size else "\ufffd".encode())
-        return out.decode("utf-8", errors="replace")
+            if i < self.vocab_size:
+                run.append(i - self.offset)
+                continue
+            out.append(run.decode("utf-8", errors="backslashreplace"))
+            run = bytearray()
+            out.append(f"<id {i}>")
+        out.append(run.decode("utf-8", errors="backslashreplace"))
+        return "".join(out)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -75,11 +83,15 @@ def tiny_opt_config():
     """The ``ci`` profile's model: OPT's architecture (pre-LN, ReLU, learned positions) at toy size.
 
     512 positions leave room for prompts written with the byte tokenizer (one token per byte); the
-    vocabulary (320) covers the byte tokenizer's 260 ids.
+    vocabulary (320) covers the byte tokenizer's 260 ids. Weights are drawn 10x wider than OPT's default
+    (``init_std=0.2``): with the default the toy model's attention is almost uniform and its output hardly
+    depends on the context, so K/V written to the wrong block left every output token unchanged
+    (``tests/test_model_and_forward.py`` shows that this model notices).
     """
     from transformers import OPTConfig
 
     return OPTConfig(
+        init_std=0.2,
         vocab_size=320,
         hidden_size=64,
         word_embed_proj_dim=64,

@@ -84,11 +84,17 @@ def interactive(fn: Callable[..., Any], **controls: Any) -> None:
         fn(**{name: _default_of(c) for name, c in controls.items()})
         print("(Executed headless: drawn once with the default values. Open the notebook to use the controls.)")
         return
+    defaults = {name: _default_of(c) for name, c in controls.items()}
     try:
         from ipywidgets import interact
     except ImportError:  # pragma: no cover - ipywidgets is a dependency
-        fn(**{name: _default_of(c) for name, c in controls.items()})
+        fn(**defaults)
         return
+    # A static picture of the default view first: widgets do not survive saving and reopening a notebook
+    # ("Error displaying widget: model not found"), this image does.
+    fn(**defaults)
+    print("Above: the default view, kept when the notebook is saved. Below: the same figure with controls "
+          "(after reopening the notebook, run this cell again to get them back).")
     interact(fn, **controls)
 
 

@@ -152,13 +152,13 @@ def test_preemption_under_memory_pressure_keeps_outputs_identical(tiny):
     batch = [[rng.randrange(4, w.vocab_size) for _ in range(n)] for n in lens]
     n_new, block_size = 14, 4
 
-    roomy = Engine(w, PagedKVCache.for_model(w, 64, block_size))
+    roomy = Engine(w, PagedKVCache.for_model(w, 64, block_size), stop_at_eos=False)  # every request runs to n_new
     reference = roomy.generate(batch, n_new)
     assert roomy.scheduler.num_preemptions == 0
 
     # 9 blocks = 36 slots: the longest request (16 + 14 = 30 tokens) fits alone, never all of them.
     cache = PagedKVCache.for_model(w, 9, block_size, watermark=0.0)
-    engine = Engine(w, cache)
+    engine = Engine(w, cache, stop_at_eos=False)
     seqs = [engine.add_request(p, n_new) for p in batch]
     while engine.scheduler.has_work:
         engine.step()

@@ -64,16 +64,37 @@ def test_version_warnings():
 
 def test_banner_names_device_profile_and_versions(fresh_profile):
     fresh_profile.setenv("COURSE_PROFILE", "ci")
-    line = env.banner()
+    text = env.banner()
     for part in ("CPU", "profile ci", "torch", "triton", "interpreter", "transformers"):
-        assert part in line
-    assert "\n" not in line
+        assert part in text
+    assert all(len(line) <= 100 for line in text.splitlines()), "JupyterLab wraps long lines mid-word"
 
 
 def test_measured_titles_name_the_device(fresh_profile):
     fresh_profile.setenv("COURSE_PROFILE", "cpu")
     assert "measured on CPU" in plotting.measured_title("x")
     assert "simulated" in plotting.simulated_title("x")
+
+
+def test_check_messages_are_folded_into_short_lines(capsys):
+    from lesson_utils.checks import core
+
+    long = "[try again] Exercise 'x': " + "word " * 60 + "\n    expected: " + "1, " * 50
+    core.show_message(long)
+    out = capsys.readouterr().out
+    assert all(len(line) <= core.WIDTH for line in out.splitlines())
+    assert out.split() == long.split()  # folded, not cut: every word is still there
+
+
+def test_interactive_keeps_a_static_picture_in_a_live_notebook(monkeypatch, capsys):
+    monkeypatch.delenv("COURSE_HEADLESS", raising=False)
+    calls = []
+    import ipywidgets
+
+    monkeypatch.setattr(ipywidgets, "interact", lambda fn, **kw: calls.append("widget"))
+    plotting.interactive(lambda a: calls.append(a), a=(0, 10))
+    assert calls == [5, "widget"]  # the default view drawn as a plain figure first, then the controls
+    assert "kept when the notebook is saved" in capsys.readouterr().out
 
 
 def test_interactive_draws_once_with_defaults_when_headless(monkeypatch, capsys):

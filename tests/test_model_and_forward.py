@@ -84,8 +84,9 @@ def test_byte_tokenizer_round_trip_and_special_ids():
         assert tok.decode(ids) == text
     assert tok.encode("ab", add_bos=False) == [ord("a") + 4, ord("b") + 4]
     assert tok.decode([2, 1, 3, 0, ord("x") + 4, 2]) == "x"  # specials skipped
-    assert tok.decode([ord("x") + 4, 300]) == "x\ufffd"  # beyond the byte range: replacement char
-    assert tok.decode([0xFF + 4]) == "\ufffd"  # invalid UTF-8 is replaced, not raised
+    assert tok.decode([ord("x") + 4, 300, ord("y") + 4]) == "x<id 300>y"  # beyond the byte range: the id, readable
+    assert tok.decode([0xFF + 4]) == "\\xff"  # invalid UTF-8 is shown as its byte, not raised
+    assert "\ufffd" not in tok.decode(list(range(4, 400)))  # no replacement characters (they print as boxes)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -339,3 +340,28 @@ def test_forward_rejects_positions_beyond_the_table(opt_model):
     step = StepBatch.build([4], [[5, 6]], [511])  # positions 511 and 512
     with pytest.raises(ValueError, match=r"sequence 4 reaches position 512.*512 positions"):
         forward(w, step, DenseKVCache(w.num_layers))
+
+
+def test_the_ci_model_notices_kv_written_to_the_wrong_block(tiny):
+    """Token identity on the ci model is evidence only if its outputs depend on the K/V it reads: K/V of every
+    decode token written into one wrong block must change what it generates (with OPT's default weight scale,
+    this toy model's attention was so flat that 3 of 4 outputs came out unchanged)."""
+    from lesson_utils import block_table as bt
+    from lesson_utils.engine import Engine
+    from lesson_utils.paged_cache import PagedKVCache
+
+    _, w = tiny
+
+    def decode_kv_to_the_last_block(batch, tables, block_size):
+        slots = bt.slot_mapping(batch, tables, block_size)
+        if all(q == 1 for q in batch.query_lens):
+            slots = slots % block_size + 39 * block_size
+        return slots
+
+    g = torch.Generator().manual_seed(1)
+    prompts = [[2] + torch.randint(4, w.vocab_size, (n,), generator=g).tolist() for n in (5, 12, 20, 31)]
+    outputs = []
+    for slot_fn in (bt.slot_mapping, decode_kv_to_the_last_block):
+        cache = PagedKVCache.for_model(w, num_blocks=40, block_size=4, slot_mapping_fn=slot_fn)
+        outputs.append(Engine(w, cache, stop_at_eos=False).generate(prompts, 30))
+    assert all(right != wrong for right, wrong in zip(*outputs))

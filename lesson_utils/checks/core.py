@@ -86,9 +86,57 @@ def short(value: Any, limit: int = 300) -> str:
     return text if len(text) <= limit else text[: limit - 5] + " ...)"
 
 
+MARKS = {"passed": "\u2705", "try again": "\u274c", "not solved": "\u23f3"}  # check mark, cross, hourglass
+WIDTH = 96  # characters per line: JupyterLab wraps longer lines mid-word
+
+
+def wrapped(message: str, width: int = WIDTH) -> str:
+    """The message with every line folded at ``width``, continuation lines indented under their line."""
+    import textwrap
+
+    out = []
+    for line in message.splitlines():
+        indent = " " * (len(line) - len(line.lstrip()))
+        out.append(textwrap.fill(line, width, subsequent_indent=indent + "  ", break_long_words=False,
+                                 break_on_hyphens=False) if line.strip() else line)
+    return "\n".join(out)
+
+
+def _verdict(message: str) -> str:
+    return next((v for v in MARKS if message.startswith(f"[{v}]")), "")
+
+
+def show_message(message: str) -> None:
+    """Print a check result: plain, folded text headless (and in tests); in a live notebook the same text in
+    a coloured box with a mark, with the plain text as its fallback."""
+    text = wrapped(message)
+    from ..plotting import is_headless
+
+    shell = None
+    if not is_headless():
+        try:
+            from IPython import get_ipython
+
+            shell = get_ipython()
+        except ImportError:  # pragma: no cover - IPython comes with ipykernel
+            shell = None
+    if shell is None or type(shell).__name__ != "ZMQInteractiveShell":
+        print(text)
+        return
+    import html
+
+    from IPython.display import display
+
+    verdict = _verdict(message)
+    colour = {"passed": "#e8f5e9", "try again": "#ffebee", "not solved": "#fff8e1"}.get(verdict, "#f5f5f5")
+    body = (f'<div style="background:{colour};padding:6px 10px;border-radius:4px;font-family:monospace;'
+            f'white-space:pre-wrap">{MARKS.get(verdict, "")} {html.escape(message)}</div>')
+    display({"text/plain": text, "text/html": body}, raw=True)
+
+
 def _finish(result: CheckResult, quiet: bool) -> CheckResult:
     if not quiet:
-        print(result.message)
+        show_message(result.message)
     if is_strict() and not result.passed:
         raise ExerciseFailed(result.message)
     return result
