@@ -294,3 +294,18 @@ def test_every_reference_passes_the_stricter_checkers(w):
     assert lesson06.check_swap_mapping(swap.swap_mapping).passed
     assert lesson06.check_choose_victim(S.most_recently_admitted).passed
     assert lesson06.check_reset_for_recompute(S.reset_for_recompute).passed
+
+
+def test_inputs_of_the_other_checkers_must_not_change(w):
+    def appends_to_prompt(step, prompt, n):
+        out = decoding.decode_with_cache(step, prompt, n)
+        prompt.extend(out)
+        return out
+
+    def consumes_table(src_blocks, allocate_dst, already):
+        out = swap.swap_mapping(list(src_blocks), allocate_dst, already)
+        src_blocks.clear()
+        return out
+
+    assert rejected(lesson00.check_decode_with_cache(appends_to_prompt, w), "prompt", "leave it as it was")
+    assert rejected(lesson06.check_swap_mapping(consumes_table), "must not change them")

@@ -109,16 +109,20 @@ def check_decode_with_cache(fn, w) -> CheckResult:
               for _ in range(4)]
     cases.append(([w.bos_token_id, 40, 41], 6, emits_eos))
     for prompt, n, make_step in cases:
-        expected = decode_with_cache(make_step(), prompt, n)
+        expected = decode_with_cache(make_step(), list(prompt), n)
         step = make_step()
+        given = list(prompt)
         try:
-            got = fn(step, prompt, n)
+            got = fn(step, given, n)
         except NotImplementedError:
             return not_implemented(name, decode_with_cache)
         except Exception as err:  # noqa: BLE001
             return failed(name, f"with prompt {prompt} and max_new_tokens={n} your code raised {type(err).__name__}: {err}", decode_with_cache)
         if not isinstance(got, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in got):
             return failed(name, f"with prompt {prompt}: return a list of ints (token ids), got {short(got)}", decode_with_cache)
+        if given != prompt:
+            return failed(name, f"the caller's prompt {prompt} became {short(given)}: leave it as it was (keep your own "
+                          "list of generated tokens)", decode_with_cache)
         need = len(prompt) + n - 1
         if step.tokens_processed != need and got == expected:
             more = step.tokens_processed - need

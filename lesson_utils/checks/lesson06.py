@@ -25,14 +25,18 @@ def check_swap_mapping(fn) -> CheckResult:
         ref_already, got_already = {}, {}
         for table in tables:
             want = swap.swap_mapping(list(table), lambda: next(ref_counter), ref_already)
+            given = list(table)
             try:
-                got = fn(list(table), lambda: next(got_counter), got_already)
+                got = fn(given, lambda: next(got_counter), got_already)
             except NotImplementedError:
                 return not_implemented(name, swap.swap_mapping)
             except Exception as err:  # noqa: BLE001
                 return failed(name, f"case '{what}', table {table}: your code raised {type(err).__name__}: {err}", swap.swap_mapping)
             if not (isinstance(got, tuple) and len(got) == 2):
                 return failed(name, f"return (destination_blocks, copies), got {got!r}", swap.swap_mapping)
+            if given != table:
+                return failed(name, f"case '{what}': the source table {table} became {given}: the mapping reads the "
+                              "sequence's blocks, it must not change them", swap.swap_mapping)
             dst, copies = list(got[0]), list(got[1])
             if dst != want[0] or copies != want[1]:
                 hint = ""
