@@ -103,3 +103,23 @@ def test_interactive_draws_once_with_defaults_when_headless(monkeypatch, capsys)
     plotting.interactive(lambda a, b, c: calls.append((a, b, c)), a=["x", "y"], b=(0, 10), c=(0.0, 1.0, 0.1))
     assert calls == [("x", 5, 0.5)]
     assert "drawn once with the default values" in capsys.readouterr().out
+
+
+def test_check_messages_in_a_live_notebook_are_marked_html_with_a_plain_fallback(monkeypatch):
+    import IPython
+    import IPython.display
+
+    from lesson_utils.checks import core
+
+    class ZMQInteractiveShell:  # what get_ipython() returns inside a Jupyter kernel
+        pass
+
+    shown = []
+    monkeypatch.delenv("COURSE_HEADLESS", raising=False)
+    monkeypatch.setattr(IPython, "get_ipython", lambda: ZMQInteractiveShell())
+    monkeypatch.setattr(IPython.display, "display", lambda bundle, raw=False: shown.append(bundle))
+    core.show_message("[passed] Exercise 'x': all 3 cases match the reference.")
+    core.show_message("[try again] Exercise 'x': on input (a < b)")
+    assert "\u2705" in shown[0]["text/html"] and "\u274c" in shown[1]["text/html"]
+    assert "a &lt; b" in shown[1]["text/html"]  # escaped
+    assert shown[1]["text/plain"].startswith("[try again]")
