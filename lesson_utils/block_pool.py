@@ -97,6 +97,7 @@ class BlockPool:
     # ---- prefix cache ----------------------------------------------------------------------------
     def cache(self, block_id: int, h: int, tokens) -> None:
         """Register a full, computed block under hash ``h`` (no-op when caching is off or already known)."""
+        self._check_id(block_id)
         if not self.enable_caching or h in self.block_of or block_id in self.hash_of:
             return
         self.block_of[h] = block_id

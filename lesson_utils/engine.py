@@ -19,6 +19,7 @@ and die; copy-on-write keeps their diverging last blocks apart).
 
 from __future__ import annotations
 
+import numbers
 import time
 from dataclasses import dataclass, field, replace
 
@@ -29,6 +30,35 @@ from .kv_cache import StepBatch
 from .opt_forward import OPTWeights, forward
 from .scheduler import FCFSScheduler, Sequence
 from .workloads import Request
+
+
+def check_token_ids(ids, vocab_size: int, what: str = "prompt") -> list[int]:
+    """``ids`` as a list of ints, or a clear error: a list (or tuple) of ints or a 1-D integer tensor, each id in
+    ``0 .. vocab_size - 1``, at least one. Checked at the door: an id outside the vocabulary would otherwise
+    fail in the embedding of every later step (on a GPU: a device-side assert that breaks the process)."""
+    import torch
+
+    if isinstance(ids, torch.Tensor):
+        if ids.dim() != 1 or ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
+            raise TypeError(f"a {what} tensor must be 1-D with an integer dtype, got shape {tuple(ids.shape)} and {ids.dtype}")
+        ids = ids.tolist()
+    elif isinstance(ids, (str, bytes)) or not isinstance(ids, (list, tuple)):
+        raise TypeError(f"a {what} is a list of token ids (ints) or a 1-D integer tensor, got {type(ids).__name__}"
+                        + (": tokenize text first" if isinstance(ids, str) else ""))
+    out = []
+    for i, t in enumerate(ids):
+        if isinstance(t, bool) or not isinstance(t, numbers.Integral):
+            raise TypeError(f"{what} token {i} is {t!r} ({type(t).__name__}); token ids are ints")
+        if not 0 <= t < vocab_size:
+            raise ValueError(f"{what} token {i} is {t}, outside the model's vocabulary of {vocab_size} ids (0 .. {vocab_size - 1})")
+        out.append(int(t))
+    if not out:
+        raise ValueError(f"a request needs at least one {what} token")
+    return out
+
+
+def _can_fork(manager) -> bool:
+    return callable(getattr(manager, "fork", None))
 
 
 class ModelRunner:
@@ -148,12 +178,14 @@ class Engine:
 
         Returns the first sample; all ``n`` are in its ``samples`` list once they exist.
         """
-        if not prompt_ids:
-            raise ValueError("a request needs at least one prompt token")
-        if max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
-        if n < 1:
-            raise ValueError(f"n (samples per prompt) must be at least 1, got {n}")
+        prompt_ids = check_token_ids(prompt_ids, self.w.vocab_size)
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be an int of at least 1, got {max_new_tokens!r}")
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"n (samples per prompt) must be an int of at least 1, got {n!r}")
+        if n > 1 and not _can_fork(self.manager):
+            raise ValueError(f"n={n} samples share the prompt's blocks by forking, and this cache's memory manager "
+                             f"({type(self.manager).__name__}) cannot fork: use a SharingBlockManager (lesson 05)")
         if len(prompt_ids) + max_new_tokens > self.w.max_positions:
             raise ValueError(
                 f"a prompt of {len(prompt_ids)} tokens plus {max_new_tokens} new ones exceeds the model's "
@@ -168,6 +200,14 @@ class Engine:
         seq.added_at = time.perf_counter()
         self.scheduler.add(seq)  # raises NeverFits for a request the cache can never hold
         return seq
+
+    def abort_request(self, seq: Sequence) -> None:
+        """Cancel a request (all its samples) wherever it is; every block it holds is free afterwards.
+
+        Raises ``ValueError`` if it has already finished or been cancelled."""
+        for sample in list(seq.samples or [seq]):
+            self.scheduler.abort(sample)
+        seq.pending_forks = 0
 
     def _fork_samples(self, parent: Sequence) -> None:
         """After the parent's prefill: n-1 siblings share its blocks and sample their own first token."""
@@ -268,8 +308,17 @@ class Engine:
         beam then token order) survive. A beam chosen more than once is forked; a beam not chosen is freed.
         Needs a manager with ``fork`` (lesson 05). Returns the best beam's tokens and sharing statistics.
         """
-        if beam_width < 1:
-            raise ValueError(f"beam_width must be at least 1, got {beam_width}")
+        if isinstance(beam_width, bool) or not isinstance(beam_width, int) or beam_width < 1:
+            raise ValueError(f"beam_width must be an int of at least 1, got {beam_width!r}")
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be an int of at least 1, got {max_new_tokens!r}")
+        prompt_ids = check_token_ids(prompt_ids, self.w.vocab_size, "beam-search prompt")
+        if len(prompt_ids) + max_new_tokens > self.w.max_positions:
+            raise ValueError(f"a prompt of {len(prompt_ids)} tokens plus {max_new_tokens} new ones exceeds the model's "
+                             f"{self.w.max_positions} positions")
+        if not _can_fork(self.manager):
+            raise ValueError(f"beam search shares blocks between beams by forking, and this cache's memory manager "
+                             f"({type(self.manager).__name__}) cannot fork: use a SharingBlockManager (lesson 05)")
         if self.scheduler.has_work:
             raise RuntimeError("beam_search needs the engine to itself: finish the queued requests first")
         mgr = self.manager

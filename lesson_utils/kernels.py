@@ -151,14 +151,26 @@ def _check_decode_inputs(q, k_cache, v_cache, block_tables, context_lens, valida
             f"{num_seqs} sequences in q, but block_tables is {tuple(block_tables.shape)} and context_lens "
             f"{tuple(context_lens.shape)}"
         )
-    if not validate:
+    if not validate or not num_seqs:
         return
-    if num_seqs and int(context_lens.min()) < 1:
+    # the used entries of each table (those that hold one of its tokens) must name real blocks; entries past
+    # a sequence's blocks are padding and may hold anything. One read-back for all three checks.
+    used = torch.arange(block_tables.shape[1], device=block_tables.device)[None, :] < (
+        (context_lens.long() + block_size - 1) // block_size)[:, None]
+    outside = ((block_tables < 0) | (block_tables >= num_blocks)) & used
+    shortest, longest, bad = torch.stack([context_lens.min().long(), context_lens.max().long(), outside.sum()]).tolist()
+    if shortest < 1:
         raise ValueError("every context length must be at least 1 (a decode query attends to itself)")
-    if num_seqs and int(context_lens.max()) > block_tables.shape[1] * block_size:
+    if longest > block_tables.shape[1] * block_size:
         raise ValueError(
-            f"a context of {int(context_lens.max())} tokens needs more than the {block_tables.shape[1]} "
+            f"a context of {longest} tokens needs more than the {block_tables.shape[1]} "
             f"blocks of {block_size} that block_tables has room for"
+        )
+    if bad:
+        seq, col = (int(x) for x in outside.nonzero()[0])
+        raise ValueError(
+            f"block_tables[{seq}, {col}] = {int(block_tables[seq, col])} is used by sequence {seq} (context "
+            f"{int(context_lens[seq])}) but the cache has blocks 0 .. {num_blocks - 1}"
         )
 
 
@@ -266,8 +278,12 @@ def write_kv_to_cache(k, v, k_cache, v_cache, slot_mapping, *, validate: bool = 
     if slot_mapping.shape != (k.shape[0],):
         raise ValueError(f"slot_mapping must have one entry per token ({k.shape[0]}), got {tuple(slot_mapping.shape)}")
     total_slots = k_cache.shape[0] * k_cache.shape[1]
-    if validate and k.shape[0] and int(slot_mapping.max()) >= total_slots:
-        raise ValueError(f"slot {int(slot_mapping.max())} is outside the cache's {total_slots} slots")
+    if validate and k.shape[0]:
+        lowest, highest = torch.stack([slot_mapping.min(), slot_mapping.max()]).tolist()  # one read-back
+        if highest >= total_slots:
+            raise ValueError(f"slot {highest} is outside the cache's {total_slots} slots")
+        if lowest < -1:
+            raise ValueError(f"slot {lowest} is not a slot: slots are 0 .. {total_slots - 1}, and -1 skips a token")
     if k.shape[0] == 0:
         return
     k = k.to(k_cache.dtype).contiguous()

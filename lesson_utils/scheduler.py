@@ -45,6 +45,7 @@ class Sequence:
     added_at: float = 0.0
     first_token_s: float | None = None  # time to first token, seconds (real runs)
     finished_s: float | None = None  # time from arrival to the last token, seconds (real runs)
+    aborted: bool = False  # cancelled before it finished (its memory is given back at once)
 
     @property
     def seq_id(self) -> int:
@@ -156,6 +157,8 @@ class FCFSScheduler:
             raise ValueError("preemption_mode='swap' needs a swap_space (lesson_utils.swap.SwapSpace)")
         if max_num_batched_tokens is not None and max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be positive, got {max_num_batched_tokens}")
+        if max_num_seqs is not None and (isinstance(max_num_seqs, bool) or not isinstance(max_num_seqs, int) or max_num_seqs < 1):
+            raise ValueError(f"max_num_seqs must be a positive int (or None for no limit), got {max_num_seqs!r}")
         self.manager = manager
         self.max_num_seqs = max_num_seqs
         self.preemption_mode = preemption_mode
@@ -256,6 +259,25 @@ class FCFSScheduler:
         self.reset(victim)
         self.waiting.appendleft(victim)
         self.events.append(PreemptionEvent(self._step, victim.seq_id, "recompute", note))
+
+    def abort(self, seq: Sequence) -> None:
+        """Cancel a sequence wherever it is (waiting, running or swapped) and give back all it holds.
+
+        Raises ``ValueError`` for a sequence this scheduler does not hold (finished, or already cancelled)."""
+        def holds(queue) -> bool:  # by identity: two sequences may compare equal field by field
+            return any(s is seq for s in queue)
+
+        if holds(self.running):
+            self.running = [s for s in self.running if s is not seq]
+            self.manager.free(seq)
+        elif holds(self.waiting):
+            self.waiting = deque(s for s in self.waiting if s is not seq)
+        elif holds(self.swapped):
+            self.swapped = deque(s for s in self.swapped if s is not seq)
+            self.swap_space.drop(seq.seq_id)
+        else:
+            raise ValueError(f"sequence {seq.seq_id} is not waiting, running or swapped (finished or cancelled already)")
+        seq.aborted = True
 
     def retire_finished(self, step: int) -> list[Sequence]:
         """Free every running sequence that has generated all its tokens."""

@@ -101,6 +101,13 @@ class SwapSpace:
         self.blocks_out += len(already) - fresh
         return copies
 
+    def drop(self, seq_id: int) -> None:
+        """Forget a swapped sequence (its request was cancelled): its CPU blocks lose one reference each."""
+        if seq_id not in self.cpu_tables:
+            raise ValueError(f"sequence {seq_id} is not in the swap space")
+        for cpu in self.cpu_tables.pop(seq_id).blocks:
+            self.pool.decref(cpu)
+
     def can_swap_in(self, manager, seq_id: int, watermark_blocks: int = 0) -> bool:
         need = len(set(self.cpu_tables[seq_id].blocks))
         return need + watermark_blocks <= manager.allocator.num_free

@@ -224,7 +224,7 @@ def test_add_request_errors(tiny):
     with pytest.raises(ValueError, match="at least one prompt token"):
         engine.add_request([], 4)
     for bad in (0, -1):
-        with pytest.raises(ValueError, match=f"max_new_tokens must be at least 1, got {bad}"):
+        with pytest.raises(ValueError, match=f"max_new_tokens must be an int of at least 1, got {bad}"):
             engine.add_request([5, 6], bad)
     with pytest.raises(ValueError, match="a prompt of 500 tokens plus 13 new ones exceeds the model's 512 positions"):
         engine.add_request([5] * 500, 13)

@@ -1,0 +1,160 @@
+"""The engine's contract with its callers: bad input gets a clear error at the door, a refused request leaves
+nothing behind, the engine goes on serving, and a request can be cancelled wherever it is."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helpers import hf_greedy
+from lesson_utils import kernels as K
+from lesson_utils.block_manager import BlockManager
+from lesson_utils.block_pool import BlockPool
+from lesson_utils.engine import Engine
+from lesson_utils.paged_cache import PagedKVCache
+from lesson_utils.scheduler import FCFSScheduler
+from lesson_utils.sharing import SharingBlockManager
+from lesson_utils.swap import SwapSpace
+
+GOOD = [2, 17, 99, 140]
+
+
+def _all_free(engine) -> bool:
+    m = engine.manager
+    free = m.pool.num_free if hasattr(m, "pool") else m.allocator.num_free
+    return free == m.num_blocks and not m.tables
+
+
+@pytest.fixture
+def engine(tiny):
+    _, w = tiny
+    return Engine(w, PagedKVCache.for_model(w, num_blocks=40, block_size=4))
+
+
+@pytest.mark.parametrize("prompt, error, message", [
+    ([2, 320], ValueError, "prompt token 1 is 320, outside the model's vocabulary of 320 ids"),
+    ([2, -1], ValueError, "prompt token 1 is -1, outside"),
+    ([2, 7.5], TypeError, r"prompt token 1 is 7.5 \(float\); token ids are ints"),
+    ([2, "7"], TypeError, r"prompt token 1 is '7' \(str\)"),
+    ([2, True], TypeError, r"prompt token 1 is True \(bool\)"),
+    ("hello", TypeError, "tokenize text first"),
+    (torch.tensor([[2, 5]]), TypeError, "must be 1-D"),
+    (torch.tensor([2.0, 5.0]), TypeError, "integer dtype"),
+    ([], ValueError, "at least one prompt token"),
+    (None, TypeError, "a list of token ids"),
+])
+def test_bad_prompts_are_refused_at_the_door_and_the_engine_goes_on(tiny, engine, prompt, error, message):
+    model, w = tiny
+    with pytest.raises(error, match=message):
+        engine.add_request(prompt, 4)
+    assert not engine.scheduler.has_work  # nothing half-added
+    assert engine.generate([GOOD], 5) == [hf_greedy(model, GOOD, 5, w.eos_token_id)]
+    assert _all_free(engine)
+
+
+def test_a_1d_integer_tensor_is_a_prompt(tiny, engine):
+    model, w = tiny
+    seq = engine.add_request(torch.tensor(GOOD, dtype=torch.int32), 5)
+    engine.run()
+    assert seq.output_ids == hf_greedy(model, GOOD, 5, w.eos_token_id)
+
+
+@pytest.mark.parametrize("kw, message", [
+    ({"max_new_tokens": 2.5}, "max_new_tokens must be an int"),
+    ({"max_new_tokens": True}, "max_new_tokens must be an int"),
+    ({"max_new_tokens": 3, "n": 0}, "n \\(samples per prompt\\)"),
+])
+def test_bad_request_settings_are_refused(engine, kw, message):
+    with pytest.raises(ValueError, match=message):
+        engine.add_request(GOOD, **kw)
+    assert not engine.scheduler.has_work
+
+
+def test_forking_on_a_manager_that_cannot_fork_is_refused_up_front(tiny, engine):
+    model, w = tiny
+    with pytest.raises(ValueError, match="cannot fork: use a SharingBlockManager"):
+        engine.add_request(GOOD, 4, n=2)
+    with pytest.raises(ValueError, match="cannot fork"):
+        engine.beam_search(GOOD, 2, 4)
+    assert not engine.scheduler.has_work
+    assert engine.generate([GOOD], 5) == [hf_greedy(model, GOOD, 5, w.eos_token_id)]
+    assert _all_free(engine)
+
+
+def test_beam_search_refuses_bad_arguments(tiny):
+    _, w = tiny
+    engine = Engine(w, PagedKVCache.for_model(w, manager=SharingBlockManager(40, 4, max_seq_len=w.max_positions)))
+    for bad in (0, -3):
+        with pytest.raises(ValueError, match="max_new_tokens must be an int of at least 1"):
+            engine.beam_search(GOOD, 2, bad)
+    with pytest.raises(ValueError, match="at least one beam-search prompt token"):
+        engine.beam_search([], 2, 4)
+    with pytest.raises(ValueError, match="beam-search prompt token 0 is 999"):
+        engine.beam_search([999], 2, 4)
+    best, _ = engine.beam_search(GOOD, 2, 4)
+    assert len(best) == 4 and _all_free(engine)
+
+
+def test_max_num_seqs_must_be_positive(tiny):
+    _, w = tiny
+    for bad in (0, -1, 2.0):
+        with pytest.raises(ValueError, match="max_num_seqs must be a positive int"):
+            Engine(w, PagedKVCache.for_model(w, num_blocks=8, block_size=4), max_num_seqs=bad)
+    FCFSScheduler(BlockManager(8, 4), max_num_seqs=1)
+
+
+def test_cancelling_waiting_running_and_swapped_requests_frees_everything(tiny):
+    model, w = tiny
+    prompts = [[2] + list(range(10 + 7 * i, 30 + 7 * i)) for i in range(6)]
+    cache = PagedKVCache.for_model(w, num_blocks=14, block_size=4)  # too small for all: some wait, some are swapped
+    engine = Engine(w, cache, preemption_mode="swap", swap_space=SwapSpace(40), stop_at_eos=False)
+    seqs = [engine.add_request(p, 16) for p in prompts]
+    cancelled: dict[str, int] = {}  # queue -> the sequence cancelled from it
+    while engine.scheduler.has_work:
+        engine.step()
+        for queue in ("swapped", "running", "waiting"):
+            held = list(getattr(engine.scheduler, queue))
+            if held and queue not in cancelled:
+                engine.abort_request(held[0])
+                cancelled[queue] = held[0].seq_id
+    assert set(cancelled) == {"running", "waiting", "swapped"}, cancelled
+    assert _all_free(engine)
+    space = engine.swap_space
+    assert space.num_free == space.num_blocks and not space.cpu_tables
+    for p, s in zip(prompts, seqs):
+        if s.seq_id in cancelled.values():
+            assert s.aborted and not s.is_finished
+        else:
+            assert s.output_ids == hf_greedy(model, p, 16, None)
+    with pytest.raises(ValueError, match="not waiting, running or swapped"):
+        engine.abort_request(seqs[0])
+
+
+def test_the_block_pool_refuses_to_cache_a_block_it_does_not_have():
+    pool = BlockPool(4)
+    with pytest.raises(ValueError, match="block id 99 is out of range"):
+        pool.cache(99, 123, [1, 2])
+    assert not pool.block_of
+
+
+def test_write_kv_refuses_slots_below_minus_one():
+    kc = torch.zeros(4, 4, 1, 8)
+    k = torch.ones(2, 1, 8)
+    with pytest.raises(ValueError, match="slot -2 is not a slot"):
+        K.write_kv_to_cache(k, k, kc, kc.clone(), torch.tensor([3, -2]))
+    K.write_kv_to_cache(k, k, kc, kc.clone(), torch.tensor([3, -1]))  # -1 skips a token
+
+
+def test_decode_refuses_a_used_table_entry_outside_the_cache():
+    """An id of 10**6 used to make the kernel read outside the cache (a segfault); padding stays allowed."""
+    g = torch.Generator().manual_seed(0)
+    kc = torch.randn(6, 8, 1, 16, generator=g)
+    q = torch.randn(2, 1, 16, generator=g)
+    lens = torch.tensor([9, 3], dtype=torch.int32)
+    padded = torch.tensor([[0, 1, 10**6], [2, -5, 10**6]], dtype=torch.int32)  # past each sequence's blocks
+    out = K.paged_attention_decode(q, kc, kc, padded, lens)
+    torch.testing.assert_close(out, K.paged_attention_reference(q, kc, kc, padded, lens))
+    for table, where in (([[0, 10**6, 0], [2, 0, 0]], r"block_tables\[0, 1\] = 1000000"),
+                         ([[0, 1, 0], [-1, 0, 0]], r"block_tables\[1, 0\] = -1")):
+        with pytest.raises(ValueError, match=where + r".*blocks 0 \.\. 5"):
+            K.paged_attention_decode(q, kc, kc, torch.tensor(table, dtype=torch.int32), lens)
