@@ -102,26 +102,52 @@ def _compile_one(cfg: KernelConfig, target: str) -> CompileResult:
         row = cfg.num_kv_heads * cfg.head_dim
         fn = kernels.write_kv_kernel
         signature = {
-            "k_ptr": ptr, "v_ptr": ptr, "k_cache_ptr": ptr, "v_cache_ptr": ptr, "slot_mapping_ptr": "*i32",
-            "stride_k_token": "i32", "stride_v_token": "i32", "stride_cache_slot": "i32",
-            "ROW": "constexpr", "ROW_P": "constexpr",
+            "k_ptr": ptr,
+            "v_ptr": ptr,
+            "k_cache_ptr": ptr,
+            "v_cache_ptr": ptr,
+            "slot_mapping_ptr": "*i32",
+            "stride_k_token": "i32",
+            "stride_v_token": "i32",
+            "stride_cache_slot": "i32",
+            "ROW": "constexpr",
+            "ROW_P": "constexpr",
         }
         constexprs = {"ROW": row, "ROW_P": triton.next_power_of_2(row)}
     else:
         fn = kernels.paged_decode_kernel
         signature = {
-            "out_ptr": ptr, "q_ptr": ptr, "k_cache_ptr": ptr, "v_cache_ptr": ptr,
-            "block_tables_ptr": "*i32", "context_lens_ptr": "*i32", "scale": "fp32",
-            "stride_q_seq": "i32", "stride_q_head": "i32", "stride_o_seq": "i32", "stride_o_head": "i32",
-            "stride_bt_seq": "i32", "stride_slot": "i32", "stride_kv_head": "i32",
-            "GROUP": "constexpr", "HEAD_DIM": "constexpr", "HEAD_DIM_P": "constexpr", "BLOCK_SIZE": "constexpr",
-            "TILE": "constexpr", "SLOTS": "constexpr", "UPDATE": "constexpr",
+            "out_ptr": ptr,
+            "q_ptr": ptr,
+            "k_cache_ptr": ptr,
+            "v_cache_ptr": ptr,
+            "block_tables_ptr": "*i32",
+            "context_lens_ptr": "*i32",
+            "scale": "fp32",
+            "stride_q_seq": "i32",
+            "stride_q_head": "i32",
+            "stride_o_seq": "i32",
+            "stride_o_head": "i32",
+            "stride_bt_seq": "i32",
+            "stride_slot": "i32",
+            "stride_kv_head": "i32",
+            "GROUP": "constexpr",
+            "HEAD_DIM": "constexpr",
+            "HEAD_DIM_P": "constexpr",
+            "BLOCK_SIZE": "constexpr",
+            "TILE": "constexpr",
+            "SLOTS": "constexpr",
+            "UPDATE": "constexpr",
         }
         tile = kernels.tile_tokens(cfg.kernel.removeprefix("decode-"), cfg.block_size, cfg.head_dim)
         constexprs = {
-            "GROUP": cfg.group, "HEAD_DIM": cfg.head_dim, "HEAD_DIM_P": triton.next_power_of_2(cfg.head_dim),
-            "BLOCK_SIZE": cfg.block_size, "TILE": tile,
-            "SLOTS": kernels.block_slots, "UPDATE": kernels.online_softmax_update,
+            "GROUP": cfg.group,
+            "HEAD_DIM": cfg.head_dim,
+            "HEAD_DIM_P": triton.next_power_of_2(cfg.head_dim),
+            "BLOCK_SIZE": cfg.block_size,
+            "TILE": tile,
+            "SLOTS": kernels.block_slots,
+            "UPDATE": kernels.online_softmax_update,
         }
     try:
         src = ASTSource(fn=fn, signature=signature, constexprs=constexprs)
@@ -131,8 +157,12 @@ def _compile_one(cfg: KernelConfig, target: str) -> CompileResult:
     ptx = compiled.asm["ptx"]
     regs, spill = _resource_usage(compiled.asm["cubin"])
     return CompileResult(
-        cfg, target, ok=f".target {target}" in ptx and bool(compiled.asm["cubin"]),
-        registers=regs, spill_bytes=spill, shared_bytes=int(compiled.metadata.shared),
+        cfg,
+        target,
+        ok=f".target {target}" in ptx and bool(compiled.asm["cubin"]),
+        registers=regs,
+        spill_bytes=spill,
+        shared_bytes=int(compiled.metadata.shared),
         tensor_cores=bool(re.search(r"\bmma\.", ptx) or "wgmma" in ptx),
     )
 
@@ -152,8 +182,13 @@ def compile_report(configs: list[KernelConfig] | None = None, timeout: int = 900
     environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
     payload = json.dumps([asdict(c) for c in configs] if configs else None)
     proc = subprocess.run(
-        [sys.executable, "-m", "lesson_utils.aot"], input=payload, capture_output=True, text=True,
-        env=environ, timeout=timeout, cwd=str(Path(__file__).resolve().parents[1]),
+        [sys.executable, "-m", "lesson_utils.aot"],
+        input=payload,
+        capture_output=True,
+        text=True,
+        env=environ,
+        timeout=timeout,
+        cwd=str(Path(__file__).resolve().parents[1]),
     )
     if proc.returncode != 0:
         raise RuntimeError(f"the ahead-of-time compile process failed:\n{proc.stderr[-3000:]}")
@@ -165,7 +200,9 @@ def compile_report(configs: list[KernelConfig] | None = None, timeout: int = 900
 
 
 def format_report(results: list[CompileResult]) -> str:
-    lines = [f"{'kernel configuration':44s} {'target':6s} {'ok':3s} {'regs':>4s} {'spill':>5s} {'shared':>7s} {'fits T4':7s} tensor cores"]
+    lines = [
+        f"{'kernel configuration':44s} {'target':6s} {'ok':3s} {'regs':>4s} {'spill':>5s} {'shared':>7s} {'fits T4':7s} tensor cores"
+    ]
     for r in results:
         if not r.ok:
             lines.append(f"{r.config.label:44s} {r.target:6s} NO   {r.error}")

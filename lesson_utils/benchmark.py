@@ -86,8 +86,11 @@ def serve_engine(name: str, engine, requests: list[Request], progress: bool = Tr
         bar.close()
     outputs = {rid: list(s.output_ids) for rid, s in seqs.items()}
     ttft = {rid: s.first_token_s for rid, s in seqs.items()}
-    tpot = {rid: (s.finished_s - s.first_token_s) / (len(s.output_ids) - 1)
-            for rid, s in seqs.items() if len(s.output_ids) > 1}
+    tpot = {
+        rid: (s.finished_s - s.first_token_s) / (len(s.output_ids) - 1)
+        for rid, s in seqs.items()
+        if len(s.output_ids) > 1
+    }
     running = [(st.t - start, st.running) for st in engine.stats]
     kv = [(st.t - start, st.kv_tokens / st.kv_slots) for st in engine.stats if st.kv_slots]
     return ServeResult(name, outputs, ttft, tpot, wall, running, kv)
@@ -141,8 +144,14 @@ def static_batches(requests: list[Request], batch_size: int, max_positions: int)
     return batches
 
 
-def serve_hf_static(model, requests: list[Request], batch_size: int, eos_token_id: int | None, pad_token_id: int = 1,
-                    progress: bool = True) -> ServeResult:
+def serve_hf_static(
+    model,
+    requests: list[Request],
+    batch_size: int,
+    eos_token_id: int | None,
+    pad_token_id: int = 1,
+    progress: bool = True,
+) -> ServeResult:
     """Hugging Face ``generate`` in static, left-padded batches (see the module docstring)."""
     from transformers import LogitsProcessorList
 
@@ -170,8 +179,12 @@ def serve_hf_static(model, requests: list[Request], batch_size: int, eos_token_i
         clock = _StepClock()
         with torch.inference_mode():
             out = model.generate(
-                ids.to(device), attention_mask=mask.to(device), max_new_tokens=max(r.output_len for r in batch),
-                do_sample=False, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
+                ids.to(device),
+                attention_mask=mask.to(device),
+                max_new_tokens=max(r.output_len for r in batch),
+                do_sample=False,
+                eos_token_id=eos_token_id,
+                pad_token_id=pad_token_id,
                 logits_processor=LogitsProcessorList([clock]),
             )
         for row, r in enumerate(batch):

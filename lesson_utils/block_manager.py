@@ -153,4 +153,6 @@ class BlockManager:
         assert not any(self.allocator.is_free(b) for b in held), "a held block is also free"
         assert len(held) + self.allocator.num_free == self.num_blocks, "a block was lost"
         for sid, t in self.tables.items():
-            assert len(t.blocks) == blocks_needed(t.num_tokens, self.block_size), f"sequence {sid} holds the wrong number of blocks"
+            assert len(t.blocks) == blocks_needed(t.num_tokens, self.block_size), (
+                f"sequence {sid} holds the wrong number of blocks"
+            )

@@ -127,7 +127,9 @@ def slot_mapping(batch: StepBatch, region_starts: list[int]) -> torch.Tensor:
     at positions ``context_len - query_len .. context_len - 1``) and moved to the device once: reading
     ``batch.positions`` back would make the host wait for the GPU every step.
     """
-    slots = [start + p for start, q, c in zip(region_starts, batch.query_lens, batch.context_lens) for p in range(c - q, c)]
+    slots = [
+        start + p for start, q, c in zip(region_starts, batch.query_lens, batch.context_lens) for p in range(c - q, c)
+    ]
     return torch.tensor(slots, dtype=torch.long, device=batch.positions.device)
 
 
@@ -171,7 +173,7 @@ class ContiguousKVCache:
         ``device=`` / ``dtype=`` say otherwise."""
         kw.setdefault("dtype", w.dtype)
         kw.setdefault("device", w.device)
-        return cls(w.num_layers, num_slots, w.num_heads, w.head_dim, default_reservation=default_reservation, **kw)
+        return cls(w.num_layers, num_slots, w.num_kv_heads, w.head_dim, default_reservation=default_reservation, **kw)
 
     @property
     def bytes_per_slot(self) -> int:

@@ -80,8 +80,16 @@ def decode_without_cache(step: Callable, prompt: list[int], max_new_tokens: int)
     return out
 
 
-def time_per_token(w: OPTWeights, prompt: list[int], max_new_tokens: int, cached: bool, repeats: int = 3,
-                   *, threads: int | None = None, progress=None) -> list[float]:
+def time_per_token(
+    w: OPTWeights,
+    prompt: list[int],
+    max_new_tokens: int,
+    cached: bool,
+    repeats: int = 3,
+    *,
+    threads: int | None = None,
+    progress=None,
+) -> list[float]:
     """Wall time (s) of each generated token, with or without a cache: the median over ``repeats`` runs.
 
     Synchronises CUDA around every step, so GPU times are real, not launch times. ``threads`` sets torch's

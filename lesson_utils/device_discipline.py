@@ -47,15 +47,60 @@ ENV_VAR = "COURSE_DEVICE_DISCIPLINE"
 _TAG = "_course_place"  # attribute on a tensor: "device" or "host"
 
 FACTORIES = {
-    "tensor", "as_tensor", "asarray", "zeros", "ones", "empty", "full", "arange", "range", "linspace",
-    "logspace", "rand", "randn", "randint", "randperm", "eye", "empty_strided", "from_numpy", "frombuffer",
-    "tril_indices", "triu_indices", "scalar_tensor", "zeros_like", "ones_like", "empty_like", "full_like",
-    "rand_like", "randn_like", "randint_like", "new_zeros", "new_ones", "new_empty", "new_full", "new_tensor",
+    "tensor",
+    "as_tensor",
+    "asarray",
+    "zeros",
+    "ones",
+    "empty",
+    "full",
+    "arange",
+    "range",
+    "linspace",
+    "logspace",
+    "rand",
+    "randn",
+    "randint",
+    "randperm",
+    "eye",
+    "empty_strided",
+    "from_numpy",
+    "frombuffer",
+    "tril_indices",
+    "triu_indices",
+    "scalar_tensor",
+    "zeros_like",
+    "ones_like",
+    "empty_like",
+    "full_like",
+    "rand_like",
+    "randn_like",
+    "randint_like",
+    "new_zeros",
+    "new_ones",
+    "new_empty",
+    "new_full",
+    "new_tensor",
 }
 # Reading a device tensor's value on the host: on CUDA each one waits for the GPU to finish.
 SYNCING = {
-    "item", "tolist", "__int__", "__float__", "__bool__", "__index__", "__complex__", "__repr__", "__str__",
-    "__format__", "nonzero", "argwhere", "masked_select", "unique", "unique_consecutive", "equal", "allclose",
+    "item",
+    "tolist",
+    "__int__",
+    "__float__",
+    "__bool__",
+    "__index__",
+    "__complex__",
+    "__repr__",
+    "__str__",
+    "__format__",
+    "nonzero",
+    "argwhere",
+    "masked_select",
+    "unique",
+    "unique_consecutive",
+    "equal",
+    "allclose",
     "__array__",
 }
 
@@ -291,7 +336,13 @@ class DeviceDiscipline(TorchFunctionMode):
                 f"assigning into a {_describe(dst)} at a device index: on a GPU this fails. Make the indexed "
                 "tensor on the device (device=...)."
             )
-        if isinstance(value, torch.Tensor) and value.dim() > 0 and place(value) and place(dst) and place(value) != place(dst):
+        if (
+            isinstance(value, torch.Tensor)
+            and value.dim() > 0
+            and place(value)
+            and place(dst)
+            and place(value) != place(dst)
+        ):
             if advanced:
                 raise DeviceMismatch(
                     f"assigning a {_describe(value)} into a {_describe(dst)} through tensor indices: on a GPU the "

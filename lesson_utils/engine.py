@@ -40,17 +40,23 @@ def check_token_ids(ids, vocab_size: int, what: str = "prompt") -> list[int]:
 
     if isinstance(ids, torch.Tensor):
         if ids.dim() != 1 or ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
-            raise TypeError(f"a {what} tensor must be 1-D with an integer dtype, got shape {tuple(ids.shape)} and {ids.dtype}")
+            raise TypeError(
+                f"a {what} tensor must be 1-D with an integer dtype, got shape {tuple(ids.shape)} and {ids.dtype}"
+            )
         ids = ids.tolist()
     elif isinstance(ids, (str, bytes)) or not isinstance(ids, (list, tuple)):
-        raise TypeError(f"a {what} is a list of token ids (ints) or a 1-D integer tensor, got {type(ids).__name__}"
-                        + (": tokenize text first" if isinstance(ids, str) else ""))
+        raise TypeError(
+            f"a {what} is a list of token ids (ints) or a 1-D integer tensor, got {type(ids).__name__}"
+            + (": tokenize text first" if isinstance(ids, str) else "")
+        )
     out = []
     for i, t in enumerate(ids):
         if isinstance(t, bool) or not isinstance(t, numbers.Integral):
             raise TypeError(f"{what} token {i} is {t!r} ({type(t).__name__}); token ids are ints")
         if not 0 <= t < vocab_size:
-            raise ValueError(f"{what} token {i} is {t}, outside the model's vocabulary of {vocab_size} ids (0 .. {vocab_size - 1})")
+            raise ValueError(
+                f"{what} token {i} is {t}, outside the model's vocabulary of {vocab_size} ids (0 .. {vocab_size - 1})"
+            )
         out.append(int(t))
     if not out:
         raise ValueError(f"a request needs at least one {what} token")
@@ -156,8 +162,12 @@ class Engine:
         if self.swap_space is not None and not self.swap_space.k:
             self.swap_space.attach_tensors(self.cache.k_cache)
         self.scheduler = FCFSScheduler(
-            self.cache.manager, max_num_seqs=self.max_num_seqs, preemption_mode=self.preemption_mode,
-            swap_space=self.swap_space, max_num_batched_tokens=self.max_num_batched_tokens, **self.scheduler_kw,
+            self.cache.manager,
+            max_num_seqs=self.max_num_seqs,
+            preemption_mode=self.preemption_mode,
+            swap_space=self.swap_space,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            **self.scheduler_kw,
         )
         self.runner = ModelRunner(self.w, self.cache)
         self._next_id = 0
@@ -172,7 +182,13 @@ class Engine:
         return self._next_id - 1
 
     def add_request(
-        self, prompt_ids: list[int], max_new_tokens: int, *, n: int = 1, temperature: float = 0.0, seed: int | None = None
+        self,
+        prompt_ids: list[int],
+        max_new_tokens: int,
+        *,
+        n: int = 1,
+        temperature: float = 0.0,
+        seed: int | None = None,
     ) -> Sequence:
         """Queue a request; with ``n > 1`` its samples share the prompt's blocks (forked after the prefill).
 
@@ -184,16 +200,22 @@ class Engine:
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise ValueError(f"n (samples per prompt) must be an int of at least 1, got {n!r}")
         if n > 1 and not _can_fork(self.manager):
-            raise ValueError(f"n={n} samples share the prompt's blocks by forking, and this cache's memory manager "
-                             f"({type(self.manager).__name__}) cannot fork: use a SharingBlockManager (lesson 05)")
+            raise ValueError(
+                f"n={n} samples share the prompt's blocks by forking, and this cache's memory manager "
+                f"({type(self.manager).__name__}) cannot fork: use a SharingBlockManager (lesson 05)"
+            )
         if len(prompt_ids) + max_new_tokens > self.w.max_positions:
             raise ValueError(
                 f"a prompt of {len(prompt_ids)} tokens plus {max_new_tokens} new ones exceeds the model's "
                 f"{self.w.max_positions} positions"
             )
         req = Request(self._new_id(), 0.0, len(prompt_ids), max_new_tokens, prompt_ids=list(prompt_ids))
-        seq = Sequence(req, eos_token_id=self.w.eos_token_id if self.stop_at_eos else None,
-                       temperature=temperature, pending_forks=n - 1)
+        seq = Sequence(
+            req,
+            eos_token_id=self.w.eos_token_id if self.stop_at_eos else None,
+            temperature=temperature,
+            pending_forks=n - 1,
+        )
         if temperature > 0:
             seq.generator = torch.Generator().manual_seed(seed if seed is not None else req.req_id)
         seq.samples = [seq]
@@ -213,9 +235,13 @@ class Engine:
         """After the parent's prefill: n-1 siblings share its blocks and sample their own first token."""
         for i in range(parent.pending_forks):
             child = Sequence(
-                replace(parent.request, req_id=self._new_id()), num_generated=parent.num_generated,
-                admitted_step=parent.admitted_step, first_token_step=parent.first_token_step,
-                output_ids=list(parent.output_ids[:-1]), eos_token_id=parent.eos_token_id, kv_len=parent.kv_len,
+                replace(parent.request, req_id=self._new_id()),
+                num_generated=parent.num_generated,
+                admitted_step=parent.admitted_step,
+                first_token_step=parent.first_token_step,
+                output_ids=list(parent.output_ids[:-1]),
+                eos_token_id=parent.eos_token_id,
+                kv_len=parent.kv_len,
                 temperature=parent.temperature,
             )
             if parent.temperature > 0:
@@ -264,8 +290,18 @@ class Engine:
         free = getattr(getattr(sch.manager, "allocator", None), "num_free", -1)
         br = sch.manager.breakdown()
         self.stats.append(
-            StepStats(self._step, len(sch.running) + len(done), len(sch.waiting), free, prefill, preempted,
-                      now - t0, br["token states"], sum(br.values()), now)
+            StepStats(
+                self._step,
+                len(sch.running) + len(done),
+                len(sch.waiting),
+                free,
+                prefill,
+                preempted,
+                now - t0,
+                br["token states"],
+                sum(br.values()),
+                now,
+            )
         )
         self._step += 1
 
@@ -314,11 +350,15 @@ class Engine:
             raise ValueError(f"max_new_tokens must be an int of at least 1, got {max_new_tokens!r}")
         prompt_ids = check_token_ids(prompt_ids, self.w.vocab_size, "beam-search prompt")
         if len(prompt_ids) + max_new_tokens > self.w.max_positions:
-            raise ValueError(f"a prompt of {len(prompt_ids)} tokens plus {max_new_tokens} new ones exceeds the model's "
-                             f"{self.w.max_positions} positions")
+            raise ValueError(
+                f"a prompt of {len(prompt_ids)} tokens plus {max_new_tokens} new ones exceeds the model's "
+                f"{self.w.max_positions} positions"
+            )
         if not _can_fork(self.manager):
-            raise ValueError(f"beam search shares blocks between beams by forking, and this cache's memory manager "
-                             f"({type(self.manager).__name__}) cannot fork: use a SharingBlockManager (lesson 05)")
+            raise ValueError(
+                f"beam search shares blocks between beams by forking, and this cache's memory manager "
+                f"({type(self.manager).__name__}) cannot fork: use a SharingBlockManager (lesson 05)"
+            )
         if self.scheduler.has_work:
             raise RuntimeError("beam_search needs the engine to itself: finish the queued requests first")
         mgr = self.manager
@@ -345,8 +385,12 @@ class Engine:
                 for bi, tok, score in chosen:  # forks first: a fork copies its parent before it grows
                     parent = beams[bi][0]
                     if bi in used:
-                        child = Sequence(replace(parent.request, req_id=self._new_id()), num_generated=parent.num_generated,
-                                         output_ids=list(parent.output_ids), kv_len=parent.kv_len)
+                        child = Sequence(
+                            replace(parent.request, req_id=self._new_id()),
+                            num_generated=parent.num_generated,
+                            output_ids=list(parent.output_ids),
+                            kv_len=parent.kv_len,
+                        )
                         mgr.fork(parent.seq_id, child.seq_id)
                         new_beams.append((child, tok, score))
                     else:
@@ -366,4 +410,7 @@ class Engine:
                 if seq.seq_id in mgr.tables:
                     mgr.free(seq)
         best = max(beams, key=lambda b: b[1])[0]  # max keeps the first of equal scores
-        return best.output_ids, {"saving": 1 - physical / logical if logical else 0.0, "cow": getattr(mgr, "num_cow", 0)}
+        return best.output_ids, {
+            "saving": 1 - physical / logical if logical else 0.0,
+            "cow": getattr(mgr, "num_cow", 0),
+        }

@@ -59,9 +59,7 @@ def _choose_profile() -> str:
     requested = os.environ.get("COURSE_PROFILE", "").strip().lower()
     if requested:
         if requested not in PROFILES:
-            raise ValueError(
-                f"COURSE_PROFILE={requested!r} is not a profile; choose one of {', '.join(PROFILES)}"
-            )
+            raise ValueError(f"COURSE_PROFILE={requested!r} is not a profile; choose one of {', '.join(PROFILES)}")
         if requested == "gpu" and not _cuda_available():
             raise RuntimeError("COURSE_PROFILE=gpu was requested but torch sees no CUDA device")
         return requested
@@ -178,10 +176,7 @@ def version_warnings(found: dict[str, str] | None = None) -> list[str]:
             continue
         got = _version_tuple(text)
         if not (low <= got < high):
-            problems.append(
-                f"{name} {text} is outside the tested range "
-                f"{low[0]}.{low[1]} to below {high[0]}.{high[1]}"
-            )
+            problems.append(f"{name} {text} is outside the tested range {low[0]}.{low[1]} to below {high[0]}.{high[1]}")
     return problems
 
 

@@ -49,14 +49,23 @@ def _model_device_dtype(model) -> tuple[torch.device, torch.dtype]:
     return p.device, p.dtype
 
 
-def hf_greedy(model, prompt: list[int], max_new_tokens: int, eos_token_id: int | None, pad_token_id: int = 1) -> list[int]:
+def hf_greedy(
+    model, prompt: list[int], max_new_tokens: int, eos_token_id: int | None, pad_token_id: int = 1
+) -> list[int]:
     """Hugging Face ``generate``'s greedy continuation of one unpadded prompt, cut right after the first eos."""
     device, _ = _model_device_dtype(model)
     ids = torch.tensor([prompt], device=device)
     with torch.inference_mode():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, min_new_tokens=0,
-                             do_sample=False, eos_token_id=eos_token_id, pad_token_id=pad_token_id)
-    tokens = out[0, len(prompt):].tolist()
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=max_new_tokens,
+            min_new_tokens=0,
+            do_sample=False,
+            eos_token_id=eos_token_id,
+            pad_token_id=pad_token_id,
+        )
+    tokens = out[0, len(prompt) :].tolist()
     if eos_token_id is not None and eos_token_id in tokens:
         tokens = tokens[: tokens.index(eos_token_id) + 1]
     return tokens
@@ -89,12 +98,16 @@ class Comparison:
         if self.verdict == IDENTICAL:
             return f"identical ({self.agreed} tokens)"
         if self.verdict == NEAR_TIE_VERDICT:
-            return (f"diverged at a near-tie after {self.agreed} tokens (HF's top-2 margin {self.margin:.2g} < "
-                    f"{self.threshold:g})")
+            return (
+                f"diverged at a near-tie after {self.agreed} tokens (HF's top-2 margin {self.margin:.2g} < "
+                f"{self.threshold:g})"
+            )
         return f"DIFFERENT after {self.agreed} tokens: {self.detail}"
 
 
-def compare(model, prompt: list[int], reference: list[int], got: list[int], *, threshold: float | None = None) -> Comparison:
+def compare(
+    model, prompt: list[int], reference: list[int], got: list[int], *, threshold: float | None = None
+) -> Comparison:
     """Apply the rule to one prompt: ``reference`` (HF's, or a reference engine's) against ``got``."""
     _, dtype = _model_device_dtype(model)
     threshold = near_tie_threshold(dtype) if threshold is None else threshold
@@ -105,14 +118,24 @@ def compare(model, prompt: list[int], reference: list[int], got: list[int], *, t
     if agreed == len(reference) == len(got):
         return Comparison(IDENTICAL, agreed, None, threshold)
     if agreed == min(len(reference), len(got)):  # one output is a strict prefix of the other
-        return Comparison(DIFFERENT, agreed, None, threshold,
-                          f"one output stops after {agreed} tokens, the other goes on to {max(len(reference), len(got))}")
+        return Comparison(
+            DIFFERENT,
+            agreed,
+            None,
+            threshold,
+            f"one output stops after {agreed} tokens, the other goes on to {max(len(reference), len(got))}",
+        )
     margin = hf_margin(model, prompt, reference[:agreed])
     if margin < threshold:
         return Comparison(NEAR_TIE_VERDICT, agreed, margin, threshold)
-    return Comparison(DIFFERENT, agreed, margin, threshold,
-                      f"token {agreed} is {got[agreed]} instead of {reference[agreed]}, where HF's top-2 margin is "
-                      f"{margin:.3g} (a near-tie would be below {threshold:g})")
+    return Comparison(
+        DIFFERENT,
+        agreed,
+        margin,
+        threshold,
+        f"token {agreed} is {got[agreed]} instead of {reference[agreed]}, where HF's top-2 margin is "
+        f"{margin:.3g} (a near-tie would be below {threshold:g})",
+    )
 
 
 @dataclass
@@ -142,9 +165,15 @@ class IdentityReport:
         n = len(self.comparisons)
         text = f"{self.identical}/{n} token-identical"
         if self.near_ties:
-            text += f", {self.near_ties} diverged at a near-tie (" + "; ".join(
-                f"prompt {i} after {c.agreed} tokens, margin {c.margin:.2g}" for i, c in enumerate(self.comparisons)
-                if c.verdict == NEAR_TIE_VERDICT) + ")"
+            text += (
+                f", {self.near_ties} diverged at a near-tie ("
+                + "; ".join(
+                    f"prompt {i} after {c.agreed} tokens, margin {c.margin:.2g}"
+                    for i, c in enumerate(self.comparisons)
+                    if c.verdict == NEAR_TIE_VERDICT
+                )
+                + ")"
+            )
         text += f", {self.different} different"
         if self.comparisons:
             text += f" (near-tie threshold {self.comparisons[0].threshold:g})"
@@ -154,16 +183,32 @@ class IdentityReport:
         return "\n".join(f"prompt {i}: {c.describe()}" for i, c in enumerate(self.comparisons) if not c.ok)
 
 
-def compare_all(model, prompts: list[list[int]], references: list[list[int]], outputs: list[list[int]],
-                *, threshold: float | None = None) -> IdentityReport:
+def compare_all(
+    model,
+    prompts: list[list[int]],
+    references: list[list[int]],
+    outputs: list[list[int]],
+    *,
+    threshold: float | None = None,
+) -> IdentityReport:
     """The rule over several prompts (same order in all three lists)."""
     if not (len(prompts) == len(references) == len(outputs)):
         raise ValueError(f"{len(prompts)} prompts, {len(references)} references and {len(outputs)} outputs")
-    return IdentityReport([compare(model, p, r, o, threshold=threshold) for p, r, o in zip(prompts, references, outputs)])
+    return IdentityReport(
+        [compare(model, p, r, o, threshold=threshold) for p, r, o in zip(prompts, references, outputs)]
+    )
 
 
-def compare_with_hf(model, prompts: list[list[int]], outputs: list[list[int]], max_new_tokens: int,
-                    eos_token_id: int | None, *, progress: bool = True, threshold: float | None = None) -> IdentityReport:
+def compare_with_hf(
+    model,
+    prompts: list[list[int]],
+    outputs: list[list[int]],
+    max_new_tokens: int,
+    eos_token_id: int | None,
+    *,
+    progress: bool = True,
+    threshold: float | None = None,
+) -> IdentityReport:
     """Run HF ``generate`` on every prompt and apply the rule to ``outputs`` (the course engine's)."""
     it = prompts
     if progress:

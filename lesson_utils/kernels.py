@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from . import env  # noqa: F401  (sets TRITON_INTERPRET=1 on a CPU before any kernel is defined)
 
+# isort: split
 import torch
 import triton
 import triton.language as tl
@@ -72,12 +73,20 @@ def online_softmax_update(m_i, l_i, acc, scores, v):
 
 @triton.jit
 def paged_decode_kernel(
-    out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
+    out_ptr,
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_tables_ptr,
+    context_lens_ptr,
     scale,
-    stride_q_seq, stride_q_head,
-    stride_o_seq, stride_o_head,
+    stride_q_seq,
+    stride_q_head,
+    stride_o_seq,
+    stride_o_head,
     stride_bt_seq,
-    stride_slot, stride_kv_head,
+    stride_slot,
+    stride_kv_head,
     GROUP: tl.constexpr,  # query heads per KV head
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_P: tl.constexpr,  # HEAD_DIM rounded up to a power of two
@@ -127,8 +136,14 @@ def tile_tokens(variant: str, block_size: int, head_dim: int) -> int:
 def _check_decode_inputs(q, k_cache, v_cache, block_tables, context_lens, validate: bool):
     """Shapes, dtypes and devices always (host-side metadata, no sync); with ``validate`` also the values of
     ``context_lens``, which reads them back from the device (a sync: keep it out of timed loops)."""
-    check_kernel_args("paged_attention_decode", q=q, k_cache=k_cache, v_cache=v_cache, block_tables=block_tables,
-                      context_lens=context_lens)
+    check_kernel_args(
+        "paged_attention_decode",
+        q=q,
+        k_cache=k_cache,
+        v_cache=v_cache,
+        block_tables=block_tables,
+        context_lens=context_lens,
+    )
     if q.dim() != 3:
         raise ValueError(f"q must be [num_seqs, num_heads, head_dim], got shape {tuple(q.shape)}")
     if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
@@ -145,7 +160,9 @@ def _check_decode_inputs(q, k_cache, v_cache, block_tables, context_lens, valida
     if block_size & (block_size - 1):
         raise ValueError(f"block_size must be a power of two for the kernel, got {block_size}")
     if block_tables.dtype != torch.int32 or context_lens.dtype != torch.int32:
-        raise TypeError(f"block_tables and context_lens must be int32, got {block_tables.dtype} and {context_lens.dtype}")
+        raise TypeError(
+            f"block_tables and context_lens must be int32, got {block_tables.dtype} and {context_lens.dtype}"
+        )
     if block_tables.shape[0] != num_seqs or context_lens.shape != (num_seqs,):
         raise ValueError(
             f"{num_seqs} sequences in q, but block_tables is {tuple(block_tables.shape)} and context_lens "
@@ -155,8 +172,10 @@ def _check_decode_inputs(q, k_cache, v_cache, block_tables, context_lens, valida
         return
     # the used entries of each table (those that hold one of its tokens) must name real blocks; entries past
     # a sequence's blocks are padding and may hold anything. One read-back for all three checks.
-    used = torch.arange(block_tables.shape[1], device=block_tables.device)[None, :] < (
-        (context_lens.long() + block_size - 1) // block_size)[:, None]
+    used = (
+        torch.arange(block_tables.shape[1], device=block_tables.device)[None, :]
+        < ((context_lens.long() + block_size - 1) // block_size)[:, None]
+    )
     outside = ((block_tables < 0) | (block_tables >= num_blocks)) & used
     shortest, longest, bad = torch.stack([context_lens.min().long(), context_lens.max().long(), outside.sum()]).tolist()
     if shortest < 1:
@@ -214,12 +233,20 @@ def paged_attention_decode(
     tile = tile_tokens(variant, block_size, head_dim)
     with kernel_launch():
         paged_decode_kernel[(num_seqs, num_heads)](
-            out, q, k_cache, v_cache, block_tables, context_lens,
+            out,
+            q,
+            k_cache,
+            v_cache,
+            block_tables,
+            context_lens,
             float(scale),
-            q.stride(0), q.stride(1),
-            out.stride(0), out.stride(1),
+            q.stride(0),
+            q.stride(1),
+            out.stride(0),
+            out.stride(1),
             block_tables.stride(0),
-            k_cache.stride(1), k_cache.stride(2),
+            k_cache.stride(1),
+            k_cache.stride(2),
             GROUP=num_heads // num_kv_heads,
             HEAD_DIM=head_dim,
             HEAD_DIM_P=triton.next_power_of_2(head_dim),
@@ -234,8 +261,14 @@ def paged_attention_decode(
 
 @triton.jit
 def write_kv_kernel(
-    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
-    stride_k_token, stride_v_token, stride_cache_slot,
+    k_ptr,
+    v_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    slot_mapping_ptr,
+    stride_k_token,
+    stride_v_token,
+    stride_cache_slot,
     ROW: tl.constexpr,  # num_kv_heads * head_dim: one token's K (or V)
     ROW_P: tl.constexpr,  # ROW rounded up to a power of two; the tail is masked
 ):
@@ -270,7 +303,9 @@ def write_kv_to_cache(k, v, k_cache, v_cache, slot_mapping, *, validate: bool = 
     """
     check_kernel_args("write_kv_to_cache", k=k, v=v, k_cache=k_cache, v_cache=v_cache, slot_mapping=slot_mapping)
     if k.shape != v.shape or k.dim() != 3:
-        raise ValueError(f"k and v must be [num_tokens, num_kv_heads, head_dim], got {tuple(k.shape)} and {tuple(v.shape)}")
+        raise ValueError(
+            f"k and v must be [num_tokens, num_kv_heads, head_dim], got {tuple(k.shape)} and {tuple(v.shape)}"
+        )
     if k_cache.shape != v_cache.shape or k_cache.shape[2:] != k.shape[1:]:
         raise ValueError(f"the caches {tuple(k_cache.shape)} do not hold tokens of shape {tuple(k.shape[1:])}")
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
@@ -291,7 +326,14 @@ def write_kv_to_cache(k, v, k_cache, v_cache, slot_mapping, *, validate: bool = 
     row = k.shape[1] * k.shape[2]
     with kernel_launch():
         write_kv_kernel[(k.shape[0],)](
-            k, v, k_cache, v_cache, slot_mapping.contiguous(),
-            k.stride(0), v.stride(0), k_cache.shape[2] * k_cache.shape[3],
-            ROW=row, ROW_P=triton.next_power_of_2(row),
+            k,
+            v,
+            k_cache,
+            v_cache,
+            slot_mapping.contiguous(),
+            k.stride(0),
+            v.stride(0),
+            k_cache.shape[2] * k_cache.shape[3],
+            ROW=row,
+            ROW_P=triton.next_power_of_2(row),
         )

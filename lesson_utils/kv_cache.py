@@ -122,19 +122,24 @@ def fused_attention_over_context(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     caches call; the einsum version stays as the readable reference the tests compare with).
 
     Same shapes and causal rule; computed in ``q``'s dtype. Fused means no ``[heads, q_len, ctx]`` score
-    tensor and no fp32 copies of K and V: on a CPU those copies, not the arithmetic, dominated attention
-    (a capstone-sized decode step on the 2-core CI machine went from 395 to 266 ms). Hugging Face's OPT
-    attends through the same function.
+    tensor and no fp32 copies of K and V: on a CPU those copies, not the arithmetic, dominated attention.
+    Hugging Face's OPT attends through the same function.
     """
     q_len, ctx, group = _check_shapes(q, k)
     if group > 1:
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
     mask = None
     if 1 < q_len < ctx:  # queries are the last q_len tokens: query j sees keys 0 .. ctx - q_len + j
-        mask = torch.arange(ctx, device=q.device)[None, :] <= torch.arange(q_len, device=q.device)[:, None] + ctx - q_len
+        mask = (
+            torch.arange(ctx, device=q.device)[None, :] <= torch.arange(q_len, device=q.device)[:, None] + ctx - q_len
+        )
     out = F.scaled_dot_product_attention(
-        q.transpose(0, 1), k.to(q.dtype).transpose(0, 1), v.to(q.dtype).transpose(0, 1),
-        attn_mask=mask, is_causal=q_len == ctx and q_len > 1, scale=scale,
+        q.transpose(0, 1),
+        k.to(q.dtype).transpose(0, 1),
+        v.to(q.dtype).transpose(0, 1),
+        attn_mask=mask,
+        is_causal=q_len == ctx and q_len > 1,
+        scale=scale,
     )
     return out.transpose(0, 1)
 
@@ -175,8 +180,14 @@ def decode_slot_index(first_slots_or_tables, context_lens: list[int], block_size
     return index.to(device)
 
 
-def decode_attention(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor, slot_index: torch.Tensor,
-                     context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+def decode_attention(
+    q: torch.Tensor,
+    k_flat: torch.Tensor,
+    v_flat: torch.Tensor,
+    slot_index: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
     """Attention of one new token per sequence, all sequences at once (the decode half of a step).
 
     ``q``: ``[num_seqs, heads, d]``; ``k_flat``/``v_flat``: a layer's cache viewed as ``[num_slots, kv_heads, d]``;

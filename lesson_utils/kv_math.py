@@ -42,7 +42,11 @@ def count_parameters(config) -> int:
     if proj != h:
         embed += 2 * proj * h  # project_in and project_out
     per_layer = 4 * (h * h + h) + (h * f + f) + (f * h + h) + 2 * 2 * h  # attention, FFN, two layer norms
-    final_ln = 2 * h if getattr(config, "do_layer_norm_before", True) and not getattr(config, "_remove_final_layer_norm", False) else 0
+    final_ln = (
+        2 * h
+        if getattr(config, "do_layer_norm_before", True) and not getattr(config, "_remove_final_layer_norm", False)
+        else 0
+    )
     return embed + L * per_layer + final_ln
 
 

@@ -31,7 +31,9 @@ def draw_arena(ax, kinds: np.ndarray, title: str = "", boundaries: list[int] | N
         ax.set_title(title)
 
 
-def draw_memory_map(ax, maps: list[tuple[int, np.ndarray]], stride: int, title: str = "", step_time_s: float | None = None):
+def draw_memory_map(
+    ax, maps: list[tuple[int, np.ndarray]], stride: int, title: str = "", step_time_s: float | None = None
+):
     """Time (down) x address (across): every recorded step's slots by kind."""
     image = np.stack([m for _, m in maps])
     steps = [s for s, _ in maps]
@@ -39,7 +41,12 @@ def draw_memory_map(ax, maps: list[tuple[int, np.ndarray]], stride: int, title: 
     if step_time_s:
         y0, y1 = y0 * step_time_s, y1 * step_time_s
     ax.imshow(
-        image, aspect="auto", cmap=KIND_CMAP, vmin=0, vmax=3, interpolation="nearest",
+        image,
+        aspect="auto",
+        cmap=KIND_CMAP,
+        vmin=0,
+        vmax=3,
+        interpolation="nearest",
         extent=(0, image.shape[1] * stride, y1, y0),
     )
     ax.set_xlabel("slot (address in the KV arena)")
@@ -55,12 +62,25 @@ def draw_breakdown_bars(ax, rows: dict[str, dict[str, float]], title: str = "") 
     left = np.zeros(len(names))
     for i, kind in enumerate(("token states", "reserved", "internal fragmentation", "free")):
         values = np.array([rows[n].get(kind, 0.0) for n in names])
-        ax.barh(names, values, left=left, color=KIND_COLORS[i], edgecolor="white",
-                label=KIND_NAMES[i] if kind != "free" else "external fragmentation & free")
+        ax.barh(
+            names,
+            values,
+            left=left,
+            color=KIND_COLORS[i],
+            edgecolor="white",
+            label=KIND_NAMES[i] if kind != "free" else "external fragmentation & free",
+        )
         for y, (x0, v) in enumerate(zip(left, values)):
             if v >= 6:
-                ax.text(x0 + v / 2, y, f"{v:.1f}", ha="center", va="center", fontsize=8,
-                        color="white" if i in (0, 2) else "black")
+                ax.text(
+                    x0 + v / 2,
+                    y,
+                    f"{v:.1f}",
+                    ha="center",
+                    va="center",
+                    fontsize=8,
+                    color="white" if i in (0, 2) else "black",
+                )
         left += values
     ax.set_xlim(0, 100)
     ax.set_xlabel("share of the KV-cache budget (%)")
@@ -102,7 +122,9 @@ def draw_block_tables(ax_logical, ax_physical, snap: dict, names: dict | None = 
             ax_logical.add_patch(Rectangle((i, -row - 0.9), 0.95 * fill, 0.8, facecolor=color, alpha=0.35))
             ax_logical.text(i + 0.47, -row - 0.5, f"→{b}", ha="center", va="center", fontsize=8)
             owners[b] = (color, fill, names.get(sid, f"req {sid}"))
-        ax_logical.text(-0.2, -row - 0.5, names.get(sid, f"req {sid}"), ha="right", va="center", fontsize=9, color=color)
+        ax_logical.text(
+            -0.2, -row - 0.5, names.get(sid, f"req {sid}"), ha="right", va="center", fontsize=9, color=color
+        )
     rows = max(1, len(snap["tables"]))
     ax_logical.set_xlim(-1.5, max([len(b) for b, _ in snap["tables"].values()] + [4]) + 0.5)
     ax_logical.set_ylim(-rows - 0.2, 0.2)
@@ -114,10 +136,19 @@ def draw_block_tables(ax_logical, ax_physical, snap: dict, names: dict | None = 
         color, fill, _ = owners.get(b, ("#cfd8dc", 0.0, ""))
         refs = snap.get("ref_counts")
         shared = refs is not None and refs[b] > 1
-        ax_physical.add_patch(Rectangle((x, y - 0.9), 0.95, 0.8, facecolor="white",
-                                        edgecolor="black" if shared else "#90a4ae", lw=2 if shared else 1))
-        ax_physical.add_patch(Rectangle((x, y - 0.9), 0.95 * fill, 0.8, facecolor=color, alpha=0.8,
-                                        hatch="///" if shared else None))
+        ax_physical.add_patch(
+            Rectangle(
+                (x, y - 0.9),
+                0.95,
+                0.8,
+                facecolor="white",
+                edgecolor="black" if shared else "#90a4ae",
+                lw=2 if shared else 1,
+            )
+        )
+        ax_physical.add_patch(
+            Rectangle((x, y - 0.9), 0.95 * fill, 0.8, facecolor=color, alpha=0.8, hatch="///" if shared else None)
+        )
         text = str(b) if refs is None or refs[b] == 0 else f"{b}\n×{refs[b]}"
         if refs is not None and refs[b] == 0 and b in snap.get("cached", ()):
             text = f"{b}\ncached"

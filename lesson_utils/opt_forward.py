@@ -103,6 +103,11 @@ class OPTWeights:
     def dtype(self) -> torch.dtype:
         return self.embed_tokens.dtype
 
+    @property
+    def num_kv_heads(self) -> int:
+        """Heads that store K/V: OPT has multi-head attention, so every query head has its own."""
+        return self.num_heads
+
     @classmethod
     def from_hf(cls, model) -> "OPTWeights":
         """Take the weights of an ``OPTForCausalLM`` (they stay shared with it)."""

@@ -12,9 +12,8 @@ business; this class only moves K/V in and out:
 
 How ``attend`` spends its time depends on the device. One sequence at a time (gather, then PyTorch's fused
 attention) is what runs on a CPU: a Python loop of a few calls per sequence costs little next to moving K/V,
-and a single batched gather pads every sequence to the longest one. On this course's 2-core CI machine the
-loop took 19 ms per layer for 28 decoding sequences (6,408 context tokens) against 46-95 ms for padded
-batched versions. On a GPU each call is a kernel launch, so ``batched_decode`` (on by default for a CUDA
+and a single batched gather pads every sequence to the longest one (measured once on the course's 2-core
+machine, the loop was the faster by 2-5x; the notebooks measure their own runs). On a GPU each call is a kernel launch, so ``batched_decode`` (on by default for a CUDA
 cache, unless a custom ``gather_fn`` is given - lesson 03's exercise) serves all decoding sequences with one
 padded gather and :func:`~lesson_utils.kv_cache.decode_attention`; lesson 04's kernel does the same without
 the gather.
@@ -67,7 +66,7 @@ class PagedKVCache:
             manager = BlockManager(num_blocks, block_size, max_seq_len=w.max_positions, **manager_kw)
         kw.setdefault("dtype", w.dtype)
         kw.setdefault("device", w.device)
-        return cls(w.num_layers, w.num_heads, w.head_dim, manager, **kw)
+        return cls(w.num_layers, w.num_kv_heads, w.head_dim, manager, **kw)
 
     @property
     def block_size(self) -> int:
@@ -122,8 +121,11 @@ class PagedKVCache:
         device = self.k_cache[0].device
         cpu = torch.tensor([c for c, _ in copies])
         gpu = torch.tensor([g for _, g in copies], device=device)
-        staging = torch.empty((2, len(self.k_cache), len(copies)) + tuple(space.kv.shape[3:]), dtype=space.kv.dtype,
-                              pin_memory=space.kv.is_pinned())
+        staging = torch.empty(
+            (2, len(self.k_cache), len(copies)) + tuple(space.kv.shape[3:]),
+            dtype=space.kv.dtype,
+            pin_memory=space.kv.is_pinned(),
+        )
         torch.index_select(space.kv, 2, cpu, out=staging)
         blocks = staging.to(device, non_blocking=True)
         for layer, (kc, vc) in enumerate(zip(self.k_cache, self.v_cache)):
@@ -163,12 +165,20 @@ class PagedKVCache:
         if "decode_slots" not in batch.extra:  # built at the first layer, reused by the others
             decode = batch.extra["decode"]
             batch.extra["decode_slots"] = decode_slot_index(
-                [batch.extra["block_tables"][i] for i in decode], [batch.context_lens[i] for i in decode],
-                self.block_size, q.device,
+                [batch.extra["block_tables"][i] for i in decode],
+                [batch.context_lens[i] for i in decode],
+                self.block_size,
+                q.device,
             )
         kc, vc = self.k_cache[layer], self.v_cache[layer]
-        return decode_attention(q, kc.view(-1, *kc.shape[2:]), vc.view(-1, *vc.shape[2:]),
-                                batch.extra["decode_slots"], batch.extra["decode_ctx"], scale)
+        return decode_attention(
+            q,
+            kc.view(-1, *kc.shape[2:]),
+            vc.view(-1, *vc.shape[2:]),
+            batch.extra["decode_slots"],
+            batch.extra["decode_ctx"],
+            scale,
+        )
 
     def free(self, seq_id: int) -> None:
         self.manager.free_seq(seq_id)

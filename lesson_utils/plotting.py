@@ -93,8 +93,10 @@ def interactive(fn: Callable[..., Any], **controls: Any) -> None:
     # A static picture of the default view first: widgets do not survive saving and reopening a notebook
     # ("Error displaying widget: model not found"), this image does.
     fn(**defaults)
-    print("Above: the default view, kept when the notebook is saved. Below: the same figure with controls "
-          "(after reopening the notebook, run this cell again to get them back).")
+    print(
+        "Above: the default view, kept when the notebook is saved. Below: the same figure with controls "
+        "(after reopening the notebook, run this cell again to get them back)."
+    )
     interact(fn, **controls)
 
 

@@ -109,9 +109,7 @@ class ContiguousReservationManager:
 
     def append_slot(self, seq: Sequence) -> None:
         if seq.len + 1 > self.reserved[seq.seq_id]:
-            raise NeverFits(
-                f"request {seq.seq_id} outgrew its reservation of {self.reserved[seq.seq_id]} slots"
-            )
+            raise NeverFits(f"request {seq.seq_id} outgrew its reservation of {self.reserved[seq.seq_id]} slots")
 
     def free(self, seq: Sequence) -> None:
         if seq.seq_id not in self.start:
@@ -150,8 +148,17 @@ class ReservedKVCache:
     :class:`ContiguousReservationManager` (the scheduler's memory manager), so the naive server and the paged
     one run through the same engine. Token ``p`` of a sequence lives in slot ``start + p``."""
 
-    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, manager: ContiguousReservationManager,
-                 *, dtype=None, device: str = "cpu", batched_decode: bool | None = None):
+    def __init__(
+        self,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        manager: ContiguousReservationManager,
+        *,
+        dtype=None,
+        device: str = "cpu",
+        batched_decode: bool | None = None,
+    ):
         import torch
 
         from .contiguous import slot_mapping
@@ -171,7 +178,7 @@ class ReservedKVCache:
         """A cache with the geometry of ``w``, on its device and in its dtype unless ``device=``/``dtype=`` say otherwise."""
         kw.setdefault("dtype", w.dtype)
         kw.setdefault("device", w.device)
-        return cls(w.num_layers, w.num_heads, w.head_dim, manager, **kw)
+        return cls(w.num_layers, w.num_kv_heads, w.head_dim, manager, **kw)
 
     def prepare(self, batch) -> None:
         from .kv_cache import decode_slot_index, mark_decodes
@@ -197,7 +204,9 @@ class ReservedKVCache:
 
         out = torch.empty_like(q)
         skip = set(batch.extra["decode"])
-        for i, (sid, start, n, ctx) in enumerate(zip(batch.seq_ids, batch.starts, batch.query_lens, batch.context_lens)):
+        for i, (sid, start, n, ctx) in enumerate(
+            zip(batch.seq_ids, batch.starts, batch.query_lens, batch.context_lens)
+        ):
             if i in skip:
                 continue
             first = self.manager.start[sid]
@@ -206,8 +215,9 @@ class ReservedKVCache:
             )
         if skip:
             rows = batch.extra["decode_rows"]
-            out[rows] = decode_attention(q[rows], self.k[layer], self.v[layer], batch.extra["decode_slots"],
-                                         batch.extra["decode_ctx"], scale)
+            out[rows] = decode_attention(
+                q[rows], self.k[layer], self.v[layer], batch.extra["decode_slots"], batch.extra["decode_ctx"], scale
+            )
         return out
 
     def free(self, seq_id: int) -> None:

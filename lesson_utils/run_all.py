@@ -134,7 +134,9 @@ def _kind_of(path: Path) -> str:
     return "notebooks" if path.parent.name == "notebooks" else "solutions"
 
 
-def kernel_env(kind: str, profile: str | None, strict: bool, root: Path | str, discipline: bool = False) -> dict[str, str]:
+def kernel_env(
+    kind: str, profile: str | None, strict: bool, root: Path | str, discipline: bool = False
+) -> dict[str, str]:
     """The environment a notebook's kernel starts with."""
     env = dict(os.environ)
     env["COURSE_HEADLESS"] = "1"
@@ -186,7 +188,7 @@ def key_lines(nb) -> list[str]:
         for line in text.splitlines():
             line = line.strip()
             if line.startswith(KEY_PREFIX):
-                found.append(line[len(KEY_PREFIX):].strip())
+                found.append(line[len(KEY_PREFIX) :].strip())
     return found
 
 
@@ -337,7 +339,7 @@ def _probe(client: NotebookClient, nb, result: NotebookResult, attempts: int = 2
             client.execute_cell(cell, len(nb.cells) - 1, store_history=False)
             text = "".join(o.get("text", "") for o in cell.outputs if o.get("output_type") == "stream")
             line = next((x for x in text.splitlines() if x.startswith(_PROBE_TAG)), None)
-            info = json.loads(line[len(_PROBE_TAG):]) if line else {"probe_error": _tail(text or "no output", 3)}
+            info = json.loads(line[len(_PROBE_TAG) :]) if line else {"probe_error": _tail(text or "no output", 3)}
         except Exception as exc:  # noqa: BLE001 - the probe must never fail a notebook
             first = (str(exc).strip().splitlines() or [""])[0]
             info = {"probe_error": f"{type(exc).__name__}: {first}"}
@@ -382,8 +384,15 @@ def run_notebooks(
         bar = tqdm(total=len(paths), unit="notebook", file=sys.stderr, dynamic_ncols=True)
 
     def run(path: Path) -> NotebookResult:
-        return run_notebook(path, out_dir, root=root, profile=profile, strict=strict, timeout=timeout,
-                            discipline=_kind_of(path) in discipline)
+        return run_notebook(
+            path,
+            out_dir,
+            root=root,
+            profile=profile,
+            strict=strict,
+            timeout=timeout,
+            discipline=_kind_of(path) in discipline,
+        )
 
     def finished(index: int, result: NotebookResult) -> None:
         results[index] = result
@@ -610,7 +619,9 @@ def format_table(results: list[NotebookResult]) -> str:
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines = []
     for i, row in enumerate(rows):
-        lines.append("  ".join(cell.ljust(w) if j == 0 else cell.rjust(w) for j, (cell, w) in enumerate(zip(row, widths))))
+        lines.append(
+            "  ".join(cell.ljust(w) if j == 0 else cell.rjust(w) for j, (cell, w) in enumerate(zip(row, widths)))
+        )
         if i == 0:
             lines.append("  ".join("-" * w for w in widths))
     for r in results:
@@ -634,7 +645,9 @@ def main(argv: list[str] | None = None) -> int:
         description="Execute the course notebooks and report which pass.",
     )
     parser.add_argument("--root", default=".", help="repository root (default: the current folder)")
-    parser.add_argument("--profile", choices=("gpu", "cpu", "ci"), help="COURSE_PROFILE for the kernels (default: auto)")
+    parser.add_argument(
+        "--profile", choices=("gpu", "cpu", "ci"), help="COURSE_PROFILE for the kernels (default: auto)"
+    )
     parser.add_argument("--which", choices=("solutions", "notebooks", "both"), default="solutions")
     parser.add_argument("--out", help="output folder (default: runs/<UTC timestamp>-<profile>)")
     parser.add_argument("--only", help="run only notebooks whose file name contains this text")
@@ -686,7 +699,9 @@ def main(argv: list[str] | None = None) -> int:
         progress=not args.no_progress,
         root=root,
         jobs=args.jobs,
-        discipline={None: (), "both": ("solutions", "notebooks")}.get(args.device_discipline, (args.device_discipline,)),
+        discipline={None: (), "both": ("solutions", "notebooks")}.get(
+            args.device_discipline, (args.device_discipline,)
+        ),
     )
     print(format_table(results))  # run_notebooks has written summary.json and report.md
     if previous is not None:

@@ -157,7 +157,9 @@ class FCFSScheduler:
             raise ValueError("preemption_mode='swap' needs a swap_space (lesson_utils.swap.SwapSpace)")
         if max_num_batched_tokens is not None and max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be positive, got {max_num_batched_tokens}")
-        if max_num_seqs is not None and (isinstance(max_num_seqs, bool) or not isinstance(max_num_seqs, int) or max_num_seqs < 1):
+        if max_num_seqs is not None and (
+            isinstance(max_num_seqs, bool) or not isinstance(max_num_seqs, int) or max_num_seqs < 1
+        ):
             raise ValueError(f"max_num_seqs must be a positive int (or None for no limit), got {max_num_seqs!r}")
         self.manager = manager
         self.max_num_seqs = max_num_seqs
@@ -251,8 +253,10 @@ class FCFSScheduler:
                 self.swapped.append(victim)
                 self.events.append(PreemptionEvent(self._step, victim.seq_id, "swap"))
                 return
-            note = (f"swap space full ({self.swap_space.num_free} of {self.swap_space.num_blocks} CPU blocks free): "
-                    f"fell back to recompute")
+            note = (
+                f"swap space full ({self.swap_space.num_free} of {self.swap_space.num_blocks} CPU blocks free): "
+                f"fell back to recompute"
+            )
         else:
             note = ""
         self.manager.free(victim)
@@ -264,6 +268,7 @@ class FCFSScheduler:
         """Cancel a sequence wherever it is (waiting, running or swapped) and give back all it holds.
 
         Raises ``ValueError`` for a sequence this scheduler does not hold (finished, or already cancelled)."""
+
         def holds(queue) -> bool:  # by identity: two sequences may compare equal field by field
             return any(s is seq for s in queue)
 
@@ -276,7 +281,9 @@ class FCFSScheduler:
             self.swapped = deque(s for s in self.swapped if s is not seq)
             self.swap_space.drop(seq.seq_id)
         else:
-            raise ValueError(f"sequence {seq.seq_id} is not waiting, running or swapped (finished or cancelled already)")
+            raise ValueError(
+                f"sequence {seq.seq_id} is not waiting, running or swapped (finished or cancelled already)"
+            )
         seq.aborted = True
 
     def retire_finished(self, step: int) -> list[Sequence]:

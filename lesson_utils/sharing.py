@@ -215,10 +215,14 @@ class SharingBlockManager(BlockManager):
             for b in t.blocks:
                 counts[b] = counts.get(b, 0) + 1
         for b in range(self.num_blocks):
-            assert self.pool.ref_count[b] == counts.get(b, 0), f"block {b}: count {self.pool.ref_count[b]}, held by {counts.get(b, 0)} tables"
+            assert self.pool.ref_count[b] == counts.get(b, 0), (
+                f"block {b}: count {self.pool.ref_count[b]}, held by {counts.get(b, 0)} tables"
+            )
             assert (self.pool.ref_count[b] == 0) == self.pool.is_free(b), f"block {b} is both free and held"
         assert len(counts) + self.pool.num_free == self.num_blocks, "a block was lost"
         for sid, t in self.tables.items():
-            assert len(t.blocks) == blocks_needed(t.num_tokens, self.block_size), f"sequence {sid} holds the wrong number of blocks"
+            assert len(t.blocks) == blocks_needed(t.num_tokens, self.block_size), (
+                f"sequence {sid} holds the wrong number of blocks"
+            )
         for b, h in self.pool.hash_of.items():
             assert self.pool.block_of[h] == b, f"block {b}'s hash maps elsewhere"

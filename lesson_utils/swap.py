@@ -23,7 +23,9 @@ from .block_pool import BlockPool
 from .block_table import BlockTable
 
 
-def swap_mapping(src_blocks: list[int], allocate_dst: Callable[[], int], already: dict[int, int]) -> tuple[list[int], list[tuple[int, int]]]:
+def swap_mapping(
+    src_blocks: list[int], allocate_dst: Callable[[], int], already: dict[int, int]
+) -> tuple[list[int], list[tuple[int, int]]]:
     """Where each of a sequence's blocks goes, and which copies that takes (reference for exercise 06-1).
 
     For every source block: if ``already`` maps it (another sequence of this swap moved it), reuse that

@@ -44,6 +44,12 @@ class TritonPagedKVCache(PagedKVCache):
 
     def attend_decodes(self, layer, batch, q, scale):
         return paged_attention_decode(
-            q, self.k_cache[layer], self.v_cache[layer], batch.extra["block_tables_t"],
-            batch.extra["context_lens_t"], scale, variant=self.variant, validate=False,
+            q,
+            self.k_cache[layer],
+            self.v_cache[layer],
+            batch.extra["block_tables_t"],
+            batch.extra["context_lens_t"],
+            scale,
+            variant=self.variant,
+            validate=False,
         )

@@ -61,12 +61,7 @@ class Request:
 
 
 def _keep(prompt: np.ndarray, output: np.ndarray) -> np.ndarray:
-    return (
-        (prompt >= MIN_LEN)
-        & (output >= MIN_LEN)
-        & (prompt <= MAX_PROMPT)
-        & (prompt + output <= MAX_TOTAL)
-    )
+    return (prompt >= MIN_LEN) & (output >= MIN_LEN) & (prompt <= MAX_PROMPT) & (prompt + output <= MAX_TOTAL)
 
 
 @lru_cache(maxsize=None)
@@ -234,5 +229,7 @@ def multi_prefix_stream(
     out = []
     for r, k in zip(synthetic_stream(profile, n, rate_per_s, seed), choice):
         ids = prefixes[k] + rng.integers(4, vocab_size, r.prompt_len).tolist()
-        out.append(replace(r, prompt_len=len(ids), prompt_ids=ids, shared_prefix_len=prefix_len, tags={"prefix": int(k)}))
+        out.append(
+            replace(r, prompt_len=len(ids), prompt_ids=ids, shared_prefix_len=prefix_len, tags={"prefix": int(k)})
+        )
     return out

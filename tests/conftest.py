@@ -1,8 +1,9 @@
 """Loaded before any test module: lesson_utils.env must switch Triton to its interpreter (on a machine
 without CUDA) before anything imports triton - Triton fixes the mode when its own library is imported."""
 
-import lesson_utils.env  # noqa: F401
+import lesson_utils.env  # noqa: F401  (first: before anything imports triton)
 
+# isort: split
 import torch  # noqa: E402
 
 # pytest -n 2 runs two workers on two cores: one intra-op thread each avoids oversubscription.

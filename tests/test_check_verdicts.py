@@ -55,7 +55,9 @@ def test_rerunning_a_check_cell_gives_the_same_verdict(path, tmp_path):
     result = run_all.run_notebook(target, tmp_path / "out", root=ROOT, profile="ci", strict=False)
     assert result.ok, f"{path.name} crashed at cell {result.error_cell}:\n{result.error}"
     executed = nbformat.read(tmp_path / "out" / result.executed_path, as_version=4)
-    check_cells = [c for c in executed.cells if c.cell_type == "code" and "checks.check_" in c.source and ".use" in c.source]
+    check_cells = [
+        c for c in executed.cells if c.cell_type == "code" and "checks.check_" in c.source and ".use" in c.source
+    ]
     assert len(check_cells) == 2 * len(checks)
     for n, (first, again) in enumerate(zip(check_cells[::2], check_cells[1::2])):
         v1, v2 = _verdicts(first), _verdicts(again)

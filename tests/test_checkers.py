@@ -6,13 +6,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from helpers import rejected
 
 from lesson_utils import contiguous, decoding, kv_math
 from lesson_utils import reservation as R
-from lesson_utils.checks import ExerciseFailed
-from lesson_utils.checks import lesson00, lesson01, lesson02
-
-from helpers import rejected
+from lesson_utils.checks import ExerciseFailed, lesson00, lesson01, lesson02
 
 pytestmark = pytest.mark.usefixtures("not_strict")
 
@@ -46,6 +44,7 @@ def test_learner_exception_is_feedback_not_crash():
 
 # ---- lesson 00 ------------------------------------------------------------------------------------
 
+
 def test_kv_bytes_per_token_checker():
     assert lesson00.check_kv_bytes_per_token(kv_math.kv_bytes_per_token).passed
 
@@ -58,7 +57,9 @@ def test_kv_bytes_per_token_checker():
     def elements(cfg, b):
         return kv_math.kv_bytes_per_token(cfg, 1)
 
-    assert rejected(lesson00.check_kv_bytes_per_token(no_value), "expected: 73728", "got:      36864", "both the key and the value")
+    assert rejected(
+        lesson00.check_kv_bytes_per_token(no_value), "expected: 73728", "got:      36864", "both the key and the value"
+    )
     assert rejected(lesson00.check_kv_bytes_per_token(elements), "how many bytes does one element take")
     assert rejected(lesson00.check_kv_bytes_per_token(ignores_gqa), "num_key_value_heads")
 
@@ -98,7 +99,9 @@ def test_decode_with_cache_checker(tiny_weights):
         return out
 
     def one_token_short(step, prompt, n):
-        return decoding.decode_with_cache(step, prompt, n)[:-1] if n > 1 else decoding.decode_with_cache(step, prompt, n)
+        return (
+            decoding.decode_with_cache(step, prompt, n)[:-1] if n > 1 else decoding.decode_with_cache(step, prompt, n)
+        )
 
     assert rejected(lesson00.check_decode_with_cache(refeeds_everything, w), "expected")
     assert rejected(lesson00.check_decode_with_cache(one_step_too_many, w), "never needs to go through the model")
@@ -106,6 +109,7 @@ def test_decode_with_cache_checker(tiny_weights):
 
 
 # ---- lesson 01 ------------------------------------------------------------------------------------
+
 
 def test_first_fit_checker():
     assert lesson01.check_first_fit(contiguous.first_fit).passed
@@ -172,6 +176,7 @@ def test_slot_mapping_checker():
 
 
 # ---- lesson 02 ------------------------------------------------------------------------------------
+
 
 def test_classify_slots_checker():
     assert lesson02.check_classify_slots(R.classify_slots).passed
@@ -262,6 +267,7 @@ def test_block_allocator_checker():
         def allocate(self):
             if not self._free_queue:
                 from lesson_utils.block_allocator import OutOfBlocks
+
                 raise OutOfBlocks("empty")
             return self._free_queue[0]  # forgets to remove it
 
@@ -298,12 +304,22 @@ def test_paged_slot_mapping_checker():
         return batch.positions.clone()
 
     def logical_index(batch, tables, bs):  # uses the logical block number instead of the physical one
-        return torch.tensor([(p // bs) * bs + p % bs + 0 * len(t) for t, s, n in zip(tables, batch.starts, batch.query_lens)
-                             for p in batch.positions[s:s + n].tolist()])
+        return torch.tensor(
+            [
+                (p // bs) * bs + p % bs + 0 * len(t)
+                for t, s, n in zip(tables, batch.starts, batch.query_lens)
+                for p in batch.positions[s : s + n].tolist()
+            ]
+        )
 
     def forgets_block_size(batch, tables, bs):
-        return torch.tensor([t[p // bs] + p % bs for t, s, n in zip(tables, batch.starts, batch.query_lens)
-                             for p in batch.positions[s:s + n].tolist()])
+        return torch.tensor(
+            [
+                t[p // bs] + p % bs
+                for t, s, n in zip(tables, batch.starts, batch.query_lens)
+                for p in batch.positions[s : s + n].tolist()
+            ]
+        )
 
     assert rejected(lesson03.check_slot_mapping(positions_only), "where does the block table come in")
     assert rejected(lesson03.check_slot_mapping(logical_index), "expected")

@@ -6,11 +6,10 @@ from __future__ import annotations
 import pytest
 import triton
 import triton.language as tl
+from helpers import rejected
 
 from lesson_utils import kernels as K
 from lesson_utils.checks import lesson04
-
-from helpers import rejected
 
 pytestmark = pytest.mark.usefixtures("not_strict")
 

@@ -4,13 +4,12 @@ parent's list, copying without repointing, hashing a block without its parent, .
 from __future__ import annotations
 
 import pytest
+from helpers import rejected
 
 from lesson_utils import sharing
 from lesson_utils.block_pool import NO_PARENT
 from lesson_utils.block_table import BlockTable
 from lesson_utils.checks import lesson05
-
-from helpers import rejected
 
 pytestmark = pytest.mark.usefixtures("not_strict")
 
@@ -60,7 +59,9 @@ def test_copy_on_write_mistakes():
         pool.decref(old)
         return old, table.blocks[i]
 
-    assert rejected(lesson05.check_copy_on_write(no_repoint), "the writer's table is now [4, 6]", "should point to the copy")
+    assert rejected(
+        lesson05.check_copy_on_write(no_repoint), "the writer's table is now [4, 6]", "should point to the copy"
+    )
     assert rejected(lesson05.check_copy_on_write(no_decref), "does the writer still hold it")
     assert rejected(lesson05.check_copy_on_write(always_copies), "nothing should change")
 
@@ -69,7 +70,7 @@ def test_prefix_hits_mistakes():
     def no_parent(pool, tokens, bs, hash_fn):
         hits = []
         for i in range((len(tokens) - 1) // bs):
-            chunk = tokens[i * bs:(i + 1) * bs]
+            chunk = tokens[i * bs : (i + 1) * bs]
             b = pool.lookup(hash_fn(NO_PARENT, chunk), chunk)
             if b is None:
                 break
@@ -79,7 +80,7 @@ def test_prefix_hits_mistakes():
     def includes_last_token(pool, tokens, bs, hash_fn):
         hits, parent = [], NO_PARENT
         for i in range(len(tokens) // bs):
-            chunk = tokens[i * bs:(i + 1) * bs]
+            chunk = tokens[i * bs : (i + 1) * bs]
             parent = hash_fn(parent, chunk)
             b = pool.lookup(parent, chunk)
             if b is None:
@@ -90,7 +91,7 @@ def test_prefix_hits_mistakes():
     def does_not_stop(pool, tokens, bs, hash_fn):
         hits, parent = [], NO_PARENT
         for i in range((len(tokens) - 1) // bs):
-            chunk = tokens[i * bs:(i + 1) * bs]
+            chunk = tokens[i * bs : (i + 1) * bs]
             parent = hash_fn(parent, chunk)
             b = pool.block_of.get(parent)  # no token check either
             if b is not None:

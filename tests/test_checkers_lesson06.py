@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import pytest
+from helpers import rejected
 
 from lesson_utils import scheduler as S
 from lesson_utils import swap
 from lesson_utils.checks import lesson06
-
-from helpers import rejected
 
 pytestmark = pytest.mark.usefixtures("not_strict")
 
@@ -50,7 +49,9 @@ def test_choose_victim_mistakes():
     assert rejected(lesson06.check_choose_victim(lambda running: running[0]), "arrived in the batch most recently")
     assert rejected(lesson06.check_choose_victim(lambda running: running[-1]), "the newest is not last")
     assert rejected(lesson06.check_choose_victim(lambda running: max(running, key=lambda s: s.len)), "expected")
-    assert rejected(lesson06.check_choose_victim(lambda running: max(running, key=lambda s: s.admitted_step)), "same step")
+    assert rejected(
+        lesson06.check_choose_victim(lambda running: max(running, key=lambda s: s.admitted_step)), "same step"
+    )
 
 
 def test_reset_mistakes():

@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import pytest
+from helpers import rejected
 
 from lesson_utils.checks import lesson07
 from lesson_utils.engine import default_step
-
-from helpers import rejected
 
 pytestmark = pytest.mark.usefixtures("not_strict")
 
@@ -27,19 +26,23 @@ def test_reference_passes(w):
 
 def test_mistakes(w):
     def no_retire(s, r, m, step):
-        s.admit(step); s.reserve_next_slots(); r.execute(s.running, step)
+        s.admit(step)
+        s.reserve_next_slots()
+        r.execute(s.running, step)
         for q in s.running:
             m.cache_computed(q)
         return []
 
     def no_room(s, r, m, step):
-        s.admit(step); r.execute(s.running, step)
+        s.admit(step)
+        r.execute(s.running, step)
         for q in s.running:
             m.cache_computed(q)
         return s.retire_finished(step)
 
     def run_then_admit(s, r, m, step):
-        s.reserve_next_slots(); r.execute(s.running, step)
+        s.reserve_next_slots()
+        r.execute(s.running, step)
         for q in s.running:
             m.cache_computed(q)
         done = s.retire_finished(step)
@@ -47,7 +50,9 @@ def test_mistakes(w):
         return done
 
     def no_cache(s, r, m, step):
-        s.admit(step); s.reserve_next_slots(); r.execute(s.running, step)
+        s.admit(step)
+        s.reserve_next_slots()
+        r.execute(s.running, step)
         return s.retire_finished(step)
 
     assert rejected(lesson07.check_engine_step(no_retire, w), "leave the batch")

@@ -13,8 +13,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-
 from helpers import rejected
+
 from lesson_utils import block_table as bt
 from lesson_utils import contiguous, decoding, kv_math, sharing, swap
 from lesson_utils import scheduler as S
@@ -50,8 +50,9 @@ def test_a_float_slot_mapping_is_rejected_for_its_dtype():
 
 
 def test_a_byte_count_that_is_a_float_is_rejected():
-    assert rejected(lesson00.check_kv_bytes_per_token(lambda cfg, b: float(kv_math.kv_bytes_per_token(cfg, b))),
-                    "expected an int")
+    assert rejected(
+        lesson00.check_kv_bytes_per_token(lambda cfg, b: float(kv_math.kv_bytes_per_token(cfg, b))), "expected an int"
+    )
 
 
 def test_token_ids_as_tensors_are_rejected_without_a_crash(w):
@@ -163,7 +164,9 @@ def test_a_freed_range_running_into_a_hole_is_a_double_free():
                 merged.append(h)
         return merged
 
-    assert rejected(lesson01.check_release(checks_only_the_start), "starts before the free hole [10, 15) and runs into it")
+    assert rejected(
+        lesson01.check_release(checks_only_the_start), "starts before the free hole [10, 15) and runs into it"
+    )
 
 
 def test_copy_on_write_at_a_block_that_is_not_the_last():
@@ -199,8 +202,10 @@ def test_destination_block_zero_in_a_swap_mapping():
 
 
 def test_a_victim_tie_where_the_earlier_sequence_is_the_longer():
-    assert rejected(lesson06.check_choose_victim(lambda running: max(running, key=lambda s: (s.admitted_step, s.len))),
-                    "the earlier one is the longer")
+    assert rejected(
+        lesson06.check_choose_victim(lambda running: max(running, key=lambda s: (s.admitted_step, s.len))),
+        "the earlier one is the longer",
+    )
 
 
 def test_a_preemption_count_that_does_not_start_at_zero():
@@ -255,7 +260,9 @@ def test_strange_return_values_are_feedback_not_crashes():
     assert rejected(lesson05.check_copy_on_write(raises_when_shared), "raised RuntimeError")
     assert rejected(lesson01.check_first_fit(lambda holes, n: "nope"), "expected a tuple")
     assert rejected(lesson03.check_gather_kv(lambda cache, table, ctx: [1, 2]), "expected a torch.Tensor")
-    assert rejected(lesson06.check_swap_mapping(lambda src, alloc, already: None), "return (destination_blocks, copies)")
+    assert rejected(
+        lesson06.check_swap_mapping(lambda src, alloc, already: None), "return (destination_blocks, copies)"
+    )
 
 
 # ---- lesson 07: beyond the outputs ---------------------------------------------------------------------------

@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import step_beside_dense
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from lesson_utils import contiguous
 from lesson_utils.contiguous import FirstFitAllocator, NeverFits, OutOfSlots
 from lesson_utils.kv_cache import DenseKVCache, StepBatch
-
-from helpers import step_beside_dense
 
 
 class AllocatorMachine(RuleBasedStateMachine):

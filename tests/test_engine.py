@@ -21,6 +21,7 @@ import dataclasses
 import random
 
 import pytest
+from helpers import assert_simulation_complete, hf_greedy
 
 from lesson_utils import simulator, workloads
 from lesson_utils.block_manager import BlockManager
@@ -30,8 +31,6 @@ from lesson_utils.engine import Engine
 from lesson_utils.opt_forward import generate_greedy
 from lesson_utils.paged_cache import PagedKVCache
 from lesson_utils.reservation import ContiguousReservationManager
-
-from helpers import assert_simulation_complete, hf_greedy
 
 N_NEW = 8
 # Lengths chosen around block boundaries for block sizes 1, 4 and 16 with N_NEW = 8 new tokens:
@@ -179,6 +178,7 @@ def test_preemption_under_memory_pressure_keeps_outputs_identical(tiny):
 # ---------------------------------------------------------------------------------------------------
 # The same memory manager in the simulator
 # ---------------------------------------------------------------------------------------------------
+
 
 def _simulate_paged(requests, slots: int, block_size: int):
     manager = BlockManager(slots // block_size, block_size)

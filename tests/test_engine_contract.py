@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from helpers import hf_greedy
+
 from lesson_utils import kernels as K
 from lesson_utils.block_manager import BlockManager
 from lesson_utils.block_pool import BlockPool
@@ -31,18 +31,21 @@ def engine(tiny):
     return Engine(w, PagedKVCache.for_model(w, num_blocks=40, block_size=4))
 
 
-@pytest.mark.parametrize("prompt, error, message", [
-    ([2, 320], ValueError, "prompt token 1 is 320, outside the model's vocabulary of 320 ids"),
-    ([2, -1], ValueError, "prompt token 1 is -1, outside"),
-    ([2, 7.5], TypeError, r"prompt token 1 is 7.5 \(float\); token ids are ints"),
-    ([2, "7"], TypeError, r"prompt token 1 is '7' \(str\)"),
-    ([2, True], TypeError, r"prompt token 1 is True \(bool\)"),
-    ("hello", TypeError, "tokenize text first"),
-    (torch.tensor([[2, 5]]), TypeError, "must be 1-D"),
-    (torch.tensor([2.0, 5.0]), TypeError, "integer dtype"),
-    ([], ValueError, "at least one prompt token"),
-    (None, TypeError, "a list of token ids"),
-])
+@pytest.mark.parametrize(
+    "prompt, error, message",
+    [
+        ([2, 320], ValueError, "prompt token 1 is 320, outside the model's vocabulary of 320 ids"),
+        ([2, -1], ValueError, "prompt token 1 is -1, outside"),
+        ([2, 7.5], TypeError, r"prompt token 1 is 7.5 \(float\); token ids are ints"),
+        ([2, "7"], TypeError, r"prompt token 1 is '7' \(str\)"),
+        ([2, True], TypeError, r"prompt token 1 is True \(bool\)"),
+        ("hello", TypeError, "tokenize text first"),
+        (torch.tensor([[2, 5]]), TypeError, "must be 1-D"),
+        (torch.tensor([2.0, 5.0]), TypeError, "integer dtype"),
+        ([], ValueError, "at least one prompt token"),
+        (None, TypeError, "a list of token ids"),
+    ],
+)
 def test_bad_prompts_are_refused_at_the_door_and_the_engine_goes_on(tiny, engine, prompt, error, message):
     model, w = tiny
     with pytest.raises(error, match=message):
@@ -59,11 +62,14 @@ def test_a_1d_integer_tensor_is_a_prompt(tiny, engine):
     assert seq.output_ids == hf_greedy(model, GOOD, 5, w.eos_token_id)
 
 
-@pytest.mark.parametrize("kw, message", [
-    ({"max_new_tokens": 2.5}, "max_new_tokens must be an int"),
-    ({"max_new_tokens": True}, "max_new_tokens must be an int"),
-    ({"max_new_tokens": 3, "n": 0}, "n \\(samples per prompt\\)"),
-])
+@pytest.mark.parametrize(
+    "kw, message",
+    [
+        ({"max_new_tokens": 2.5}, "max_new_tokens must be an int"),
+        ({"max_new_tokens": True}, "max_new_tokens must be an int"),
+        ({"max_new_tokens": 3, "n": 0}, "n \\(samples per prompt\\)"),
+    ],
+)
 def test_bad_request_settings_are_refused(engine, kw, message):
     with pytest.raises(ValueError, match=message):
         engine.add_request(GOOD, **kw)
@@ -154,7 +160,9 @@ def test_decode_refuses_a_used_table_entry_outside_the_cache():
     padded = torch.tensor([[0, 1, 10**6], [2, -5, 10**6]], dtype=torch.int32)  # past each sequence's blocks
     out = K.paged_attention_decode(q, kc, kc, padded, lens)
     torch.testing.assert_close(out, K.paged_attention_reference(q, kc, kc, padded, lens))
-    for table, where in (([[0, 10**6, 0], [2, 0, 0]], r"block_tables\[0, 1\] = 1000000"),
-                         ([[0, 1, 0], [-1, 0, 0]], r"block_tables\[1, 0\] = -1")):
+    for table, where in (
+        ([[0, 10**6, 0], [2, 0, 0]], r"block_tables\[0, 1\] = 1000000"),
+        ([[0, 1, 0], [-1, 0, 0]], r"block_tables\[1, 0\] = -1"),
+    ):
         with pytest.raises(ValueError, match=where + r".*blocks 0 \.\. 5"):
             K.paged_attention_decode(q, kc, kc, torch.tensor(table, dtype=torch.int32), lens)

@@ -33,14 +33,13 @@ import random
 import numpy as np
 import pytest
 import torch
+from helpers import MIN_MARGIN, assert_simulation_complete, hf_greedy
 
 from lesson_utils import simulator, workloads
 from lesson_utils.block_table import blocks_needed
 from lesson_utils.engine import Engine
 from lesson_utils.paged_cache import PagedKVCache
 from lesson_utils.sharing import SharingBlockManager, prefix_hits
-
-from helpers import MIN_MARGIN, assert_simulation_complete, hf_greedy
 
 N_NEW = 8
 BS = 4
@@ -49,8 +48,9 @@ USER_LENS = [5, 3, 0, 12, 1, 4]  # 0: the prompt is exactly the system prompt (a
 
 
 def sharing_engine(w, num_blocks: int, *, caching: bool = True, watermark: float = 0.01) -> Engine:
-    manager = SharingBlockManager(num_blocks, BS, enable_prefix_caching=caching, watermark=watermark,
-                                  max_seq_len=w.max_positions)
+    manager = SharingBlockManager(
+        num_blocks, BS, enable_prefix_caching=caching, watermark=watermark, max_seq_len=w.max_positions
+    )
     return Engine(w, PagedKVCache.for_model(w, manager=manager))
 
 
@@ -243,10 +243,12 @@ def reference_beam_search(model, prompt: list[int], k: int, max_new_tokens: int)
     beams: list[tuple[list[int], float]] = [([], 0.0)]
     with torch.no_grad():
         for _ in range(max_new_tokens):
-            logp = torch.stack([
-                torch.log_softmax(model(torch.tensor([prompt + toks])).logits[0, -1].float(), dim=-1)
-                for toks, _ in beams
-            ])
+            logp = torch.stack(
+                [
+                    torch.log_softmax(model(torch.tensor([prompt + toks])).logits[0, -1].float(), dim=-1)
+                    for toks, _ in beams
+                ]
+            )
             total = (torch.tensor([sc for _, sc in beams], dtype=torch.float32)[:, None] + logp).flatten()
             order = torch.argsort(-total, stable=True)
             if len(order) > k:  # who survives is well defined: no near-tie at the cut

@@ -14,14 +14,15 @@ import sys
 
 import pytest
 import torch
+from helpers import hf_greedy
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from helpers import hf_greedy
-from lesson_utils import benchmark, contiguous, device_discipline as dd
-from lesson_utils.checks import lesson01, lesson03, lesson04
+from lesson_utils import benchmark, contiguous
+from lesson_utils import device_discipline as dd
 from lesson_utils import kernels as K
 from lesson_utils.block_manager import BlockManager
+from lesson_utils.checks import lesson01, lesson03, lesson04
 from lesson_utils.device_discipline import DEVICE, DeviceMismatch, discipline
 from lesson_utils.engine import Engine
 from lesson_utils.env import Profile
@@ -108,7 +109,9 @@ def _host_slot_mapping(batch, region_starts):  # what the solution did, and what
 
 
 def _host_slots_from_lists(batch, region_starts):  # right values, but a host tensor
-    return torch.tensor([s + p for s, q, c in zip(region_starts, batch.query_lens, batch.context_lens) for p in range(c - q, c)])
+    return torch.tensor(
+        [s + p for s, q, c in zip(region_starts, batch.query_lens, batch.context_lens) for p in range(c - q, c)]
+    )
 
 
 def test_lesson01_slot_mapping_made_on_the_host_fails_its_check(not_strict):
@@ -135,7 +138,9 @@ def test_lesson03_checks_build_their_cases_on_the_device(not_strict):
 def test_a_host_slot_mapping_crashes_the_device_cache(on_device):
     model, w = on_device
     with discipline():
-        cache = contiguous.ContiguousKVCache.for_model(w, 200, default_reservation=50, slot_mapping_fn=_host_slot_mapping)
+        cache = contiguous.ContiguousKVCache.for_model(
+            w, 200, default_reservation=50, slot_mapping_fn=_host_slot_mapping
+        )
         with pytest.raises(DeviceMismatch):
             generate_greedy(w, cache, _prompts(w)[:2], 2)
 
@@ -172,8 +177,13 @@ def test_the_kernels_name_a_host_argument(on_device):
         with pytest.raises(ValueError, match="q is a host tensor.*Pointer argument"):
             K.paged_attention_decode(torch.zeros(1, 2, 8), kc, kc, tables, lens)
         with pytest.raises(ValueError, match="slot_mapping is a host tensor"):
-            K.write_kv_to_cache(torch.zeros(1, 2, 8, device=DEVICE), torch.zeros(1, 2, 8, device=DEVICE), kc, kc,
-                                torch.zeros(1, dtype=torch.int32))
+            K.write_kv_to_cache(
+                torch.zeros(1, 2, 8, device=DEVICE),
+                torch.zeros(1, 2, 8, device=DEVICE),
+                kc,
+                kc,
+                torch.zeros(1, dtype=torch.int32),
+            )
 
 
 # --- 6. the Triton interpreter follows the profile, not the hardware -----------------------------------------
@@ -218,10 +228,32 @@ def test_kernels_without_validation_never_read_back_from_the_device():
 
 def _engines(w):
     yield "paged", Engine(w, PagedKVCache.for_model(w, num_blocks=40, block_size=16))
-    yield "paged (batched decode)", Engine(w, PagedKVCache.for_model(w, num_blocks=40, block_size=16, batched_decode=True))
-    yield "Triton", Engine(w, TritonPagedKVCache(w.num_layers, w.num_heads, w.head_dim, BlockManager(40, 16), dtype=w.dtype, device=w.device))
-    yield "paged + prefix cache", Engine(w, PagedKVCache.for_model(w, manager=SharingBlockManager(40, 16, max_seq_len=w.max_positions)))
-    yield "naive", Engine(w, ReservedKVCache.for_model(w, ContiguousReservationManager(4 * w.max_positions, "max", max_seq_len=w.max_positions)))
+    yield (
+        "paged (batched decode)",
+        Engine(w, PagedKVCache.for_model(w, num_blocks=40, block_size=16, batched_decode=True)),
+    )
+    yield (
+        "Triton",
+        Engine(
+            w,
+            TritonPagedKVCache(
+                w.num_layers, w.num_heads, w.head_dim, BlockManager(40, 16), dtype=w.dtype, device=w.device
+            ),
+        ),
+    )
+    yield (
+        "paged + prefix cache",
+        Engine(w, PagedKVCache.for_model(w, manager=SharingBlockManager(40, 16, max_seq_len=w.max_positions))),
+    )
+    yield (
+        "naive",
+        Engine(
+            w,
+            ReservedKVCache.for_model(
+                w, ContiguousReservationManager(4 * w.max_positions, "max", max_seq_len=w.max_positions)
+            ),
+        ),
+    )
 
 
 def test_every_engine_serves_on_the_device_with_at_most_two_syncs_a_step(on_device):

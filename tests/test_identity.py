@@ -57,7 +57,7 @@ def test_a_divergence_at_a_clear_margin_is_a_failure(tiny):
     ref = identity.hf_greedy(model, prompt, 8, None)
     k = next(i for i in range(1, len(ref)) if identity.hf_margin(model, prompt, ref[:i]) > 1e-3)  # not at the tie
     margin = identity.hf_margin(model, prompt, ref[:k])
-    wrong = ref[:k] + [(ref[k] + 7) % model.config.vocab_size] + ref[k + 1:]
+    wrong = ref[:k] + [(ref[k] + 7) % model.config.vocab_size] + ref[k + 1 :]
     c = identity.compare(model, prompt, ref, wrong)
     assert c.verdict == identity.DIFFERENT and not c.ok and c.agreed == k
     assert c.margin == pytest.approx(margin) and "instead of" in c.describe()

@@ -11,8 +11,8 @@ import random
 
 import pytest
 import torch
-
 from helpers import assert_identical, hf_greedy
+
 from lesson_utils import kernels as K
 
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3}
@@ -52,22 +52,47 @@ def assert_matches(case, variant="tiled", **kw):
 @pytest.mark.parametrize("block_size", [8, 16, 32, 64])
 def test_context_lengths_one_multiples_and_long(variant, block_size):
     ctxs = [1, block_size, 3 * block_size, 5 * block_size + 3, 150]
-    assert_matches(make_case(block_size, num_seqs=5, heads=2, kv_heads=2, head_dim=64, block_size=block_size,
-                             ctxs=ctxs, dtype=torch.float32), variant)
+    assert_matches(
+        make_case(
+            block_size,
+            num_seqs=5,
+            heads=2,
+            kv_heads=2,
+            head_dim=64,
+            block_size=block_size,
+            ctxs=ctxs,
+            dtype=torch.float32,
+        ),
+        variant,
+    )
 
 
 @pytest.mark.parametrize("head_dim", [64, 80, 96, 128])
 @pytest.mark.parametrize("heads,kv_heads", [(4, 1), (2, 2)])
 def test_head_dims_and_grouped_query(head_dim, heads, kv_heads):
-    assert_matches(make_case(head_dim + heads, num_seqs=2, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
-                             block_size=16, ctxs=[17, 40], dtype=torch.float32))
+    assert_matches(
+        make_case(
+            head_dim + heads,
+            num_seqs=2,
+            heads=heads,
+            kv_heads=kv_heads,
+            head_dim=head_dim,
+            block_size=16,
+            ctxs=[17, 40],
+            dtype=torch.float32,
+        )
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 @pytest.mark.parametrize("variant", K.VARIANTS)
 def test_dtypes_and_shared_blocks(dtype, variant):
-    assert_matches(make_case(7, num_seqs=3, heads=4, kv_heads=2, head_dim=64, block_size=16, ctxs=[45, 40, 9],
-                             dtype=dtype, share=True), variant)
+    assert_matches(
+        make_case(
+            7, num_seqs=3, heads=4, kv_heads=2, head_dim=64, block_size=16, ctxs=[45, 40, 9], dtype=dtype, share=True
+        ),
+        variant,
+    )
 
 
 @pytest.mark.parametrize("where", ["cpu", "device discipline"])
@@ -84,17 +109,26 @@ def test_randomized_cases(where):
             bs = rng.choice([8, 16, 32])
             kv = rng.choice([1, 2])
             ctxs = [rng.randint(1, 90) for _ in range(rng.randint(1, 3))]
-            case = make_case(seed, num_seqs=len(ctxs), heads=kv * rng.choice([1, 4]), kv_heads=kv,
-                             head_dim=rng.choice([64, 80]), block_size=bs, ctxs=ctxs,
-                             dtype=rng.choice([torch.float16, torch.float32]), share=rng.random() < 0.5)
+            case = make_case(
+                seed,
+                num_seqs=len(ctxs),
+                heads=kv * rng.choice([1, 4]),
+                kv_heads=kv,
+                head_dim=rng.choice([64, 80]),
+                block_size=bs,
+                ctxs=ctxs,
+                dtype=rng.choice([torch.float16, torch.float32]),
+                share=rng.random() < 0.5,
+            )
             if where != "cpu":
                 case = tuple(t.to(dd.DEVICE) for t in case)
             assert_matches(case, rng.choice(K.VARIANTS))
 
 
 def test_large_scores_do_not_overflow():
-    q, kc, vc, bt, cl = make_case(3, num_seqs=2, heads=2, kv_heads=2, head_dim=64, block_size=16, ctxs=[70, 33],
-                                  dtype=torch.float32)
+    q, kc, vc, bt, cl = make_case(
+        3, num_seqs=2, heads=2, kv_heads=2, head_dim=64, block_size=16, ctxs=[70, 33], dtype=torch.float32
+    )
     out = K.paged_attention_decode(q * 60, kc, vc, bt, cl)
     assert torch.isfinite(out).all()
     assert_matches((q * 60, kc, vc, bt, cl))
@@ -116,7 +150,9 @@ def test_bad_inputs_get_clear_errors(mutate, message):
         K.paged_attention_decode(*mutate(case))
 
 
-@pytest.mark.parametrize("kv_heads,head_dim,dtype", [(12, 64, torch.float16), (12, 64, torch.float32), (2, 80, torch.float32)])
+@pytest.mark.parametrize(
+    "kv_heads,head_dim,dtype", [(12, 64, torch.float16), (12, 64, torch.float32), (2, 80, torch.float32)]
+)
 def test_write_kv_any_row_width(kv_heads, head_dim, dtype):
     """OPT-125m's 12 x 64 = 768 is not a power of two; slot -1 is skipped."""
     g = torch.Generator().manual_seed(kv_heads)
@@ -134,9 +170,13 @@ def test_write_kv_any_row_width(kv_heads, head_dim, dtype):
 def test_write_kv_errors():
     kc = torch.zeros(2, 4, 1, 8)
     with pytest.raises(ValueError, match="outside the cache's 8 slots"):
-        K.write_kv_to_cache(torch.ones(1, 1, 8), torch.ones(1, 1, 8), kc, kc.clone(), torch.tensor([8], dtype=torch.int32))
+        K.write_kv_to_cache(
+            torch.ones(1, 1, 8), torch.ones(1, 1, 8), kc, kc.clone(), torch.tensor([8], dtype=torch.int32)
+        )
     with pytest.raises(ValueError, match="one entry per token"):
-        K.write_kv_to_cache(torch.ones(2, 1, 8), torch.ones(2, 1, 8), kc, kc.clone(), torch.tensor([0], dtype=torch.int32))
+        K.write_kv_to_cache(
+            torch.ones(2, 1, 8), torch.ones(2, 1, 8), kc, kc.clone(), torch.tensor([0], dtype=torch.int32)
+        )
 
 
 @pytest.mark.slow

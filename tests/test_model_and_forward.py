@@ -15,6 +15,7 @@ import random
 
 import pytest
 import torch
+from helpers import assert_identical, hf_greedy
 from transformers import OPTForCausalLM
 
 from lesson_utils import model as model_mod
@@ -22,8 +23,6 @@ from lesson_utils.env import Profile
 from lesson_utils.kv_cache import DenseKVCache, StepBatch
 from lesson_utils.model import ByteTokenizer, LoadedModel, load_model, opt125m_config, tiny_opt_config
 from lesson_utils.opt_forward import OPTWeights, forward, generate_greedy
-
-from helpers import assert_identical, hf_greedy
 
 ATOL = 1e-4  # fp32, max |ours - HF| over all logits
 
@@ -287,7 +286,6 @@ def test_mixed_step_of_prefill_and_decode(opt_model):
 # ---------------------------------------------------------------------------------------------------
 # generate_greedy
 # ---------------------------------------------------------------------------------------------------
-
 
 
 def test_greedy_generation_is_token_identical_to_hf(opt_model):

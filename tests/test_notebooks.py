@@ -51,8 +51,9 @@ def ran():
     mode, so a tensor made on the wrong device fails here as it would on a T4; the student notebooks run the
     plain CPU path. Returns (started, {relative path: result})."""
     started = time.time()
-    results = run_all.run_notebooks(SOLUTIONS + STUDENTS, OUT, profile="ci", progress=False, root=ROOT, jobs=1,
-                                    discipline=("solutions",))
+    results = run_all.run_notebooks(
+        SOLUTIONS + STUDENTS, OUT, profile="ci", progress=False, root=ROOT, jobs=1, discipline=("solutions",)
+    )
     return started, {r.path: r for r in results}
 
 

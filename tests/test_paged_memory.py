@@ -25,6 +25,7 @@ import time
 import numpy as np
 import pytest
 import torch
+from helpers import step_beside_dense
 from hypothesis import event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
@@ -52,8 +53,6 @@ from lesson_utils.paged_cache import PagedKVCache
 from lesson_utils.reservation import FREE, INTERNAL, TOKEN
 from lesson_utils.scheduler import Sequence
 from lesson_utils.workloads import Request
-
-from helpers import step_beside_dense
 
 
 def make_seq(seq_id: int, prompt_len: int, output_len: int = 1000) -> Sequence:
@@ -514,17 +513,22 @@ def test_batched_decode_attention_matches_one_sequence_at_a_time(heads, kv_heads
     k_cache = torch.randn(num_blocks, block_size, kv_heads, dim, generator=gen).to(dtype)
     v_cache = torch.randn(num_blocks, block_size, kv_heads, dim, generator=gen).to(dtype)
     perm = torch.randperm(num_blocks, generator=gen).tolist()
-    ctx = [1, block_size, block_size + 1, 3 * block_size - 1] + torch.randint(1, 5 * block_size, (4,), generator=gen).tolist()
+    ctx = [1, block_size, block_size + 1, 3 * block_size - 1] + torch.randint(
+        1, 5 * block_size, (4,), generator=gen
+    ).tolist()
     tables, used = [], 0
     for c in ctx:
         n = blocks_needed(c, block_size)
-        tables.append(perm[used % num_blocks : used % num_blocks + n] if used % num_blocks + n <= num_blocks else perm[:n])
+        tables.append(
+            perm[used % num_blocks : used % num_blocks + n] if used % num_blocks + n <= num_blocks else perm[:n]
+        )
         used += n
     q = torch.randn(len(ctx), heads, dim, generator=gen).to(dtype)
     index = decode_slot_index(tables, ctx, block_size, "cpu")
     assert index.shape == (len(ctx), max(ctx))
-    got = decode_attention(q, k_cache.view(-1, kv_heads, dim), v_cache.view(-1, kv_heads, dim), index,
-                           torch.tensor(ctx), dim**-0.5)
+    got = decode_attention(
+        q, k_cache.view(-1, kv_heads, dim), v_cache.view(-1, kv_heads, dim), index, torch.tensor(ctx), dim**-0.5
+    )
     assert got.dtype == dtype
     tol = {"atol": 2e-3, "rtol": 2e-3} if dtype == torch.float16 else {"atol": 1e-5, "rtol": 1e-5}
     for i, c in enumerate(ctx):
@@ -603,7 +607,7 @@ def test_reserved_cache_matches_dense_reference(batched_decode):
     for sid in lens:
         manager.allocate(Sequence(Request(sid, 0.0, 5, 10)))
     decoded = 0
-    for step in range(6):
+    for _ in range(6):
         batch = step_beside_dense(ours, ref, gen, lens, heads, dim)
         decoded += len(batch.extra["decode"])
         assert bool(batch.extra["decode"]) <= batched_decode
@@ -612,7 +616,7 @@ def test_reserved_cache_matches_dense_reference(batched_decode):
 
 def test_paged_cache_geometry_for_a_model():
     class W:  # just the geometry fields of OPTWeights, and where its tensors live
-        num_layers, num_heads, head_dim, max_positions = 3, 4, 16, 512
+        num_layers, num_heads, num_kv_heads, head_dim, max_positions = 3, 4, 4, 16, 512
         dtype, device = torch.float16, torch.device("cpu")
 
     cache = PagedKVCache.for_model(W, 10, 8, watermark=0.2)

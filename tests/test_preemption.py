@@ -47,6 +47,7 @@ from dataclasses import replace
 
 import pytest
 import torch
+from helpers import hf_greedy
 
 from lesson_utils import simulator
 from lesson_utils.block_manager import BlockManager
@@ -58,8 +59,6 @@ from lesson_utils.scheduler import FCFSScheduler, Sequence, most_recently_admitt
 from lesson_utils.sharing import SharingBlockManager
 from lesson_utils.swap import SwapSpace
 from lesson_utils.workloads import Request
-
-from helpers import hf_greedy
 
 FALLBACK = "fell back to recompute"
 
@@ -76,8 +75,9 @@ def make_manager(kind: str, num_blocks: int, block_size: int, max_seq_len: int |
     if kind == "paged":
         return BlockManager(num_blocks, block_size, watermark=0.0, max_seq_len=max_seq_len)
     caching = {"sharing": False, "prefix-cache": True}[kind]
-    return SharingBlockManager(num_blocks, block_size, watermark=0.0, max_seq_len=max_seq_len,
-                               enable_prefix_caching=caching)
+    return SharingBlockManager(
+        num_blocks, block_size, watermark=0.0, max_seq_len=max_seq_len, enable_prefix_caching=caching
+    )
 
 
 def check_swap_space(space: SwapSpace | None) -> None:
@@ -214,8 +214,20 @@ class KVWatch:
             self.snap[s.seq_id] = (recomputed.get(s.seq_id, 0), s.kv_len, self._kv(s.seq_id, s.kv_len))
 
 
-def serve(w, prompts, n_new, *, kind="paged", mode="recompute", num_blocks=64, block_size=4, swap_blocks=None,
-          budget=None, n=1, **scheduler_kw):
+def serve(
+    w,
+    prompts,
+    n_new,
+    *,
+    kind="paged",
+    mode="recompute",
+    num_blocks=64,
+    block_size=4,
+    swap_blocks=None,
+    budget=None,
+    n=1,
+    **scheduler_kw,
+):
     """Serve ``prompts`` step by step, checking who holds what after every step; returns the engine and
     each prompt's outputs (a list of the ``n`` samples' outputs when ``n > 1``)."""
     manager = make_manager(kind, num_blocks, block_size, w.max_positions)
@@ -229,8 +241,14 @@ def serve(w, prompts, n_new, *, kind="paged", mode="recompute", num_blocks=64, b
             return victim_log[-1][1]
 
         scheduler_kw["choose_victim"] = logged
-    engine = Engine(w, PagedKVCache.for_model(w, manager=manager), preemption_mode=mode, swap_space=space,
-                    max_num_batched_tokens=budget, scheduler_kw=scheduler_kw)
+    engine = Engine(
+        w,
+        PagedKVCache.for_model(w, manager=manager),
+        preemption_mode=mode,
+        swap_space=space,
+        max_num_batched_tokens=budget,
+        scheduler_kw=scheduler_kw,
+    )
     spy = SwapSpy(engine) if space is not None else None
     fed = count_batched_tokens(engine)
     seqs = [engine.add_request(p, n_new, n=n) for p in prompts]
@@ -299,8 +317,9 @@ def test_preempted_engine_matches_unconstrained_run_and_hf(tiny, prompts, expect
     assert roomy == expected
 
     swap = 64 if mode == "swap" else None
-    engine, got = serve(w, prompts, N_NEW, kind=kind, mode=mode, num_blocks=tight_blocks(prompts, N_NEW, BLOCK),
-                        swap_blocks=swap)
+    engine, got = serve(
+        w, prompts, N_NEW, kind=kind, mode=mode, num_blocks=tight_blocks(prompts, N_NEW, BLOCK), swap_blocks=swap
+    )
     sch = engine.scheduler
     assert sch.events, "no preemption: the cache was not tight enough to test anything"
     assert {e.mode for e in sch.events} == {mode}
@@ -326,8 +345,9 @@ def test_parallel_samples_swap_their_shared_blocks_once(tiny, prompts, expected,
     _, w = tiny
     picked = [0, 2, 4]
     batch = [prompts[i] for i in picked]
-    engine, got = serve(w, batch, N_NEW, kind=kind, mode="swap", num_blocks=tight_blocks(batch, N_NEW, BLOCK) + 3,
-                        swap_blocks=64, n=3)
+    engine, got = serve(
+        w, batch, N_NEW, kind=kind, mode="swap", num_blocks=tight_blocks(batch, N_NEW, BLOCK) + 3, swap_blocks=64, n=3
+    )
     assert got == [[expected[i]] * 3 for i in picked]
     sch, spy = engine.scheduler, engine.spy
     assert sch.events and {e.mode for e in sch.events} == {"swap"}
@@ -355,8 +375,17 @@ def test_a_pluggable_victim_policy_keeps_outputs_and_kv_exact(tiny, prompts, exp
     still be the ones it computed."""
     _, w = tiny
     batch = prompts[:4]
-    engine, got = serve(w, batch, N_NEW, kind=kind, mode=mode, num_blocks=tight_blocks(batch, N_NEW, BLOCK) + 3,
-                        swap_blocks=64 if mode == "swap" else None, n=3, choose_victim=oldest_first)
+    engine, got = serve(
+        w,
+        batch,
+        N_NEW,
+        kind=kind,
+        mode=mode,
+        num_blocks=tight_blocks(batch, N_NEW, BLOCK) + 3,
+        swap_blocks=64 if mode == "swap" else None,
+        n=3,
+        choose_victim=oldest_first,
+    )
     assert got == [[e] * 3 for e in expected[:4]]
     assert engine.scheduler.events and {e.mode for e in engine.scheduler.events} == {mode}
     assert engine.manager.num_cow > 0 and engine.watch.checked > 0
@@ -488,9 +517,13 @@ class CheckingRunner(simulator.AccountingRunner):
             if s.request.tags.get("n", 1) > 1 and not getattr(s, "forked", False):
                 s.forked = True
                 for _ in range(s.request.tags["n"] - 1):
-                    child = Sequence(replace(s.request, req_id=10_000 + len(self.children), tags={}),
-                                     num_generated=s.num_generated, admitted_step=s.admitted_step,
-                                     first_token_step=s.first_token_step, kv_len=s.kv_len)
+                    child = Sequence(
+                        replace(s.request, req_id=10_000 + len(self.children), tags={}),
+                        num_generated=s.num_generated,
+                        admitted_step=s.admitted_step,
+                        first_token_step=s.first_token_step,
+                        kv_len=s.kv_len,
+                    )
                     sch.manager.fork(s.seq_id, child.seq_id)
                     running.append(child)
                     self.children.append(child.seq_id)
@@ -516,8 +549,16 @@ def random_workload(seed: int):
         else:
             ids = [rng.choice(ALPHA) for _ in range(plen)]
         samples = rng.choice([1, 1, 2, 3]) if kind != "paged" else 1  # parallel sampling: forks share blocks
-        reqs.append(Request(i, rng.choice([0.0, 0.0, rng.uniform(0, 0.4)]), plen, rng.randint(1, 40), prompt_ids=ids,
-                            tags={"n": samples}))
+        reqs.append(
+            Request(
+                i,
+                rng.choice([0.0, 0.0, rng.uniform(0, 0.4)]),
+                plen,
+                rng.randint(1, 40),
+                prompt_ids=ids,
+                tags={"n": samples},
+            )
+        )
     biggest = max(blocks_needed(r.total_len, bs) for r in reqs)
     total = sum(blocks_needed(r.total_len, bs) * r.tags["n"] for r in reqs)
     num_blocks = rng.randint(biggest, max(biggest, min(total - 1, biggest + biggest // 2)))
@@ -541,12 +582,18 @@ def run_workload(seed: int) -> dict:
     wl = random_workload(seed)
     manager = make_manager(wl["kind"], wl["num_blocks"], wl["bs"])
     space = SwapSpace(wl["swap"]) if wl["swap"] is not None else None
-    sch = CheckedScheduler(manager, preemption_mode=wl["mode"], swap_space=space, max_num_batched_tokens=wl["budget"],
-                           victim=victim_policy(wl["policy"], seed))
+    sch = CheckedScheduler(
+        manager,
+        preemption_mode=wl["mode"],
+        swap_space=space,
+        max_num_batched_tokens=wl["budget"],
+        victim=victim_policy(wl["policy"], seed),
+    )
     runner = CheckingRunner(sch)
     reqs = wl["reqs"]
-    res = simulator.simulate(reqs, manager, scheduler=sch, runner=runner, progress=False, step_time_s=0.02,
-                             max_steps=20_000)
+    res = simulator.simulate(
+        reqs, manager, scheduler=sch, runner=runner, progress=False, step_time_s=0.02, max_steps=20_000
+    )
     assert not sch.has_work, "unfinished work after 20 000 steps (livelock?)"
     assert sorted(s.seq_id for s in res.finished) == [r.req_id for r in reqs] + runner.children, "a request was lost"
     assert len(runner.children) == sum(r.tags["n"] - 1 for r in reqs)
@@ -568,8 +615,14 @@ def run_workload(seed: int) -> dict:
         assert space.blocks_in >= space.blocks_out if wl["kind"] != "paged" else space.blocks_in == space.blocks_out
     if wl["swap"] == 0:
         assert all(e.mode == "recompute" for e in sch.events)
-    return dict(wl, events=sch.events, hits=getattr(manager, "cached_prompt_tokens", 0), verified=runner.verified,
-                forks=len(runner.children), cow=getattr(manager, "num_cow", 0))
+    return dict(
+        wl,
+        events=sch.events,
+        hits=getattr(manager, "cached_prompt_tokens", 0),
+        verified=runner.verified,
+        forks=len(runner.children),
+        cow=getattr(manager, "num_cow", 0),
+    )
 
 
 SEEDS = range(400)
@@ -578,7 +631,9 @@ CHUNKS = 4
 
 @pytest.mark.parametrize("chunk", range(CHUNKS))
 def test_random_workloads_in_the_simulator(chunk):
-    stats = dict.fromkeys(["runs", "preempted", "swapped", "fell back", "prefix hits", "other victims", "shadow checked"], 0)
+    stats = dict.fromkeys(
+        ["runs", "preempted", "swapped", "fell back", "prefix hits", "other victims", "shadow checked"], 0
+    )
     for seed in SEEDS[chunk::CHUNKS]:
         try:
             out = run_workload(seed)
@@ -613,8 +668,12 @@ def test_a_request_larger_than_the_whole_cache_never_fits(tiny, kind, mode):
     _, w = tiny
     message = r"may reach 17 tokens = 5 blocks of 4, more than the whole cache \(4 blocks\)"
     space = SwapSpace(64) if mode == "swap" else None
-    engine = Engine(w, PagedKVCache.for_model(w, manager=make_manager(kind, 4, 4, w.max_positions)),
-                    preemption_mode=mode, swap_space=space)
+    engine = Engine(
+        w,
+        PagedKVCache.for_model(w, manager=make_manager(kind, 4, 4, w.max_positions)),
+        preemption_mode=mode,
+        swap_space=space,
+    )
     with pytest.raises(NeverFits, match=message):
         engine.add_request([5] * 10, 7)
     assert not engine.scheduler.has_work  # nothing half-added
@@ -656,8 +715,15 @@ def test_bad_settings_are_refused(tiny):
 def test_a_swap_space_too_small_falls_back_to_recompute(tiny, prompts, expected, kind, swap_blocks):
     """0 CPU blocks: every victim is recomputed; 2: whoever does not fit is. Outputs stay exact."""
     _, w = tiny
-    engine, got = serve(w, prompts, N_NEW, kind=kind, mode="swap", num_blocks=tight_blocks(prompts, N_NEW, BLOCK),
-                        swap_blocks=swap_blocks)
+    engine, got = serve(
+        w,
+        prompts,
+        N_NEW,
+        kind=kind,
+        mode="swap",
+        num_blocks=tight_blocks(prompts, N_NEW, BLOCK),
+        swap_blocks=swap_blocks,
+    )
     assert got == expected
     events = engine.scheduler.events
     fallbacks = [e for e in events if e.mode == "recompute"]
@@ -677,8 +743,16 @@ def test_the_engine_keeps_to_the_token_budget(tiny, prompts, expected, mode):
     budget = 10
     roomy, unlimited = serve(w, prompts, N_NEW, num_blocks=128)
     assert roomy.fed[0] == (sum(map(len, prompts)), len(prompts))  # without a budget: everyone at once
-    engine, got = serve(w, prompts, N_NEW, kind="prefix-cache", mode=mode, budget=budget,
-                        num_blocks=tight_blocks(prompts, N_NEW, BLOCK), swap_blocks=64 if mode == "swap" else None)
+    engine, got = serve(
+        w,
+        prompts,
+        N_NEW,
+        kind="prefix-cache",
+        mode=mode,
+        budget=budget,
+        num_blocks=tight_blocks(prompts, N_NEW, BLOCK),
+        swap_blocks=64 if mode == "swap" else None,
+    )
     assert got == expected == unlimited
     fed = engine.fed
     assert all(tokens <= budget or seqs == 1 for tokens, seqs in fed), fed
@@ -768,8 +842,11 @@ def _drive(sch: CheckedScheduler, arrivals: dict[int, list[Sequence]], steps: in
         entry = dict(step=step, free_before=free, back=sch.swap_ins[ins:], admitted=sch.admissions[adm:])
         sch.reserve_next_slots()
         runner.execute(sch.running, step)
-        entry.update(running=[s.seq_id for s in sch.running], swapped=[s.seq_id for s in sch.swapped],
-                     waiting=[s.seq_id for s in sch.waiting])
+        entry.update(
+            running=[s.seq_id for s in sch.running],
+            swapped=[s.seq_id for s in sch.swapped],
+            waiting=[s.seq_id for s in sch.waiting],
+        )
         log.append(entry)
         sch.retire_finished(step)
         if not sch.has_work:

@@ -11,9 +11,7 @@ import pytest
 from lesson_utils import run_all
 
 # a 1x1 PNG, displayed the way matplotlib's inline backend does
-PNG = (
-    "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mNk+M9QDwADhgGAWjR9awAAAABJRU5ErkJggg=="
-)
+PNG = "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mNk+M9QDwADhgGAWjR9awAAAABJRU5ErkJggg=="
 
 
 def _nb(*sources: str):
@@ -35,8 +33,7 @@ def ran(tmp_path_factory):
         "print('cwd', pathlib.Path.cwd().name)",
         "print('KEY: kv_bytes_per_token = 36864')\nprint('check 2: not implemented yet (kv_bytes)')\n"
         "print('  KEY: free text: 22.4 %')",
-        "from IPython.display import Image, display\n"
-        f"import base64\ndisplay(Image(data=base64.b64decode('{PNG}')))",
+        f"from IPython.display import Image, display\nimport base64\ndisplay(Image(data=base64.b64decode('{PNG}')))",
     )
     bad = _nb(
         "import os\nprint('strict', os.environ.get('COURSE_STRICT'))\n"
@@ -164,8 +161,22 @@ def test_jobs_give_the_same_results_in_input_order(ran, tmp_path):
     root, out, results = ran
     paths = [root / r.path for r in results]
     again = run_all.run_notebooks(paths, tmp_path / "jobs2", profile="ci", timeout=60, progress=True, root=root, jobs=2)
-    fields = ("path", "kind", "ok", "error", "error_cell", "unsolved_count", "profile", "device_name", "strict",
-              "executed_path", "figures", "key_lines", "key_numbers", "probe_error")
+    fields = (
+        "path",
+        "kind",
+        "ok",
+        "error",
+        "error_cell",
+        "unsolved_count",
+        "profile",
+        "device_name",
+        "strict",
+        "executed_path",
+        "figures",
+        "key_lines",
+        "key_numbers",
+        "probe_error",
+    )
     assert [[getattr(r, f) for f in fields] for r in again] == [[getattr(r, f) for f in fields] for r in results]
     summary = json.loads((tmp_path / "jobs2" / "summary.json").read_text())
     assert summary["settings"]["jobs"] == 2 and [r["path"] for r in summary["notebooks"]] == [r.path for r in results]
@@ -180,8 +191,25 @@ def test_cli_compare_prints_both_runs(ran, tmp_path, capsys):
     (tmp_path / "previous").mkdir()
     (tmp_path / "previous" / "summary.json").write_text(json.dumps(previous))
     now = tmp_path / "now"
-    rc = run_all.main(["--root", str(root), "--profile", "ci", "--only", "01_good", "--out", str(now), "--timeout", "60",
-                       "--no-progress", "--jobs", "2", "--compare", str(tmp_path / "previous" / "summary.json")])
+    rc = run_all.main(
+        [
+            "--root",
+            str(root),
+            "--profile",
+            "ci",
+            "--only",
+            "01_good",
+            "--out",
+            str(now),
+            "--timeout",
+            "60",
+            "--no-progress",
+            "--jobs",
+            "2",
+            "--compare",
+            str(tmp_path / "previous" / "summary.json"),
+        ]
+    )
     assert rc == 0
     text = capsys.readouterr().out
     line = next(x for x in text.splitlines() if x.startswith("solutions/01_good.ipynb: this run"))

@@ -46,7 +46,6 @@ from lesson_utils.scheduler import Sequence
 from lesson_utils.sharing import SharingBlockManager, copy_on_write, fork_table, prefix_hits
 from lesson_utils.workloads import Request
 
-
 ALPHABET = (0, 1, 2)  # few distinct tokens: prompts share prefixes, so the prefix cache really hits
 
 
@@ -315,8 +314,10 @@ class SharingMachine(RuleBasedStateMachine):
         parent = self.running[data.draw(st.sampled_from(sorted(self.running)), label="parent")]
         token = data.draw(st.sampled_from(ALPHABET), label="child's token")
         child = Sequence(
-            replace(parent.request, req_id=self.next_id), num_generated=parent.num_generated,
-            output_ids=parent.output_ids[:-1] + [token], kv_len=parent.kv_len,
+            replace(parent.request, req_id=self.next_id),
+            num_generated=parent.num_generated,
+            output_ids=parent.output_ids[:-1] + [token],
+            kv_len=parent.kv_len,
         )
         self.next_id += 1
         counts, free_before = list(pool.ref_count), pool.num_free
@@ -409,9 +410,18 @@ def test_the_state_machine_reaches_the_interesting_cases():
     run_state_machine_as_test(
         SharingMachine, settings=settings(MACHINE_SETTINGS, max_examples=30, derandomize=True, database=None)
     )
-    for what in ("add: hit", "readmit: hit", "hit a free cached block", "evicted a cached block",
-                 "whole prompt cached: its last block recomputed", "copy-on-write", "fork", "preempted",
-                 "preempted a sequence that already made room", "add: refused"):
+    for what in (
+        "add: hit",
+        "readmit: hit",
+        "hit a free cached block",
+        "evicted a cached block",
+        "whole prompt cached: its last block recomputed",
+        "copy-on-write",
+        "fork",
+        "preempted",
+        "preempted a sequence that already made room",
+        "add: refused",
+    ):
         assert COVERAGE.get(what, 0) > 0, f"never happened: {what} ({COVERAGE})"
 
 
@@ -544,9 +554,13 @@ def test_lookup_rejects_a_hash_collision():
     m.check_invariants()
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "known limit: lookup verifies a block's own tokens, not its prefix, so a chained-hash collision "
-    "between equal blocks at different places would be a wrong hit; a strong hash makes it negligible"))
+@pytest.mark.xfail(
+    strict=True,
+    reason=(
+        "known limit: lookup verifies a block's own tokens, not its prefix, so a chained-hash collision "
+        "between equal blocks at different places would be a wrong hit; a strong hash makes it negligible"
+    ),
+)
 def test_a_collision_with_equal_tokens_but_another_prefix_is_not_a_hit():
     m = SharingBlockManager(16, 2, hash_fn=lambda parent, tokens: 42, watermark=0.0)
     compute(m, make_seq(0, [5, 6, 7, 8, 9]))

@@ -21,7 +21,9 @@ def test_stream_means_match_the_paper_after_filtering(profile):
 def test_streams_are_seeded_and_poisson():
     a = workloads.sharegpt_like(500, rate_per_s=10, seed=3)
     b = workloads.sharegpt_like(500, rate_per_s=10, seed=3)
-    assert [(r.prompt_len, r.output_len, r.arrival_s) for r in a] == [(r.prompt_len, r.output_len, r.arrival_s) for r in b]
+    assert [(r.prompt_len, r.output_len, r.arrival_s) for r in a] == [
+        (r.prompt_len, r.output_len, r.arrival_s) for r in b
+    ]
     gaps = np.diff([r.arrival_s for r in a])
     assert np.all(gaps >= 0) and abs(gaps.mean() - 0.1) < 0.02
 
@@ -79,7 +81,9 @@ def test_simulation_accounts_every_slot_and_frees_everything(policy):
 def test_max_policy_runs_exactly_budget_over_2048_at_t4_scale():
     slots = kv_math.t4_slots_for_opt125m()
     reqs = workloads.sharegpt_like(400, rate_per_s=1000, seed=0)
-    res = simulator.simulate(reqs, reservation.ContiguousReservationManager(slots, "max"), max_steps=200, progress=False)
+    res = simulator.simulate(
+        reqs, reservation.ContiguousReservationManager(slots, "max"), max_steps=200, progress=False
+    )
     assert res.running.max() == slots // 2048
 
 
@@ -89,7 +93,9 @@ def test_policies_order_as_in_the_paper():
     reqs = workloads.sharegpt_like(1500, rate_per_s=300, seed=0)
     share = {}
     for policy in reservation.POLICIES:
-        res = simulator.simulate(reqs, reservation.ContiguousReservationManager(slots, policy), max_steps=900, progress=False)
+        res = simulator.simulate(
+            reqs, reservation.ContiguousReservationManager(slots, policy), max_steps=900, progress=False
+        )
         share[policy] = res.mean_breakdown(after_step=300)["token states"]
     assert share["max"] < share["pow2"] < share["oracle"]
 
@@ -99,8 +105,10 @@ def test_scheduler_is_fcfs_head_of_line():
     s = FCFSScheduler(m)
     big, small = workloads.Request(0, 0, 1500, 500), workloads.Request(1, 0, 10, 10)
     filler = workloads.Request(2, 0, 1000, 10)
-    s.add(Sequence(filler)); s.admit(0)
-    s.add(Sequence(big)); s.add(Sequence(small))
+    s.add(Sequence(filler))
+    s.admit(0)
+    s.add(Sequence(big))
+    s.add(Sequence(small))
     assert s.admit(1) == []  # the big one does not fit, and the small one may not overtake it
 
 

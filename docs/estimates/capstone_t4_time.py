@@ -33,11 +33,18 @@ for n_requests, scale, rate, budget_res in [(200, 1.0, 20.0, 16), (96, 1.0, 20.0
     hf_rows = sum(len(b) * max(r.output_len for r in b) for b in batches)
     res = {}
     for kind in ("naive", "paged"):
-        mgr = reservation.ContiguousReservationManager(budget, "max", max_seq_len=max_len) if kind == "naive" else BlockManager(budget // 16, 16, max_seq_len=max_len)
+        mgr = (
+            reservation.ContiguousReservationManager(budget, "max", max_seq_len=max_len)
+            if kind == "naive"
+            else BlockManager(budget // 16, 16, max_seq_len=max_len)
+        )
         sim = simulator.simulate(reqs, mgr, step_time_s=ENGINE_STEP_MS / 1e3, progress=False)
-        steps = len(sim.steps); seqs = int(sim.running.sum())
+        steps = len(sim.steps)
+        seqs = int(sim.running.sum())
         res[kind] = (steps, seqs, (steps * ENGINE_STEP_MS + seqs * ENGINE_PER_SEQ_MS) / 1e3)
     hf_s = (hf_steps * HF_STEP_MS + hf_rows * HF_PER_ROW_MS) / 1e3
     out_tokens = sum(r.output_len for r in reqs)
-    print(f"n={n_requests} scale={scale}: {out_tokens} output tokens; HF {len(batches)} batches of <= {hf_batch}, {hf_steps} steps -> {hf_s:.0f} s; "
-          + "; ".join(f"{k} {s} steps ({q} seq-steps) -> {t:.0f} s" for k, (s, q, t) in res.items()))
+    print(
+        f"n={n_requests} scale={scale}: {out_tokens} output tokens; HF {len(batches)} batches of <= {hf_batch}, {hf_steps} steps -> {hf_s:.0f} s; "
+        + "; ".join(f"{k} {s} steps ({q} seq-steps) -> {t:.0f} s" for k, (s, q, t) in res.items())
+    )

@@ -52,8 +52,10 @@ def device_hint(expected: Any, got: Any) -> str:
     except ImportError:  # pragma: no cover
         return ""
     if isinstance(expected, torch.Tensor) and isinstance(got, torch.Tensor) and expected.device != got.device:
-        return (f"your tensor is on {got.device}, but the inputs are on {expected.device}: make new tensors "
-                "with device=... (e.g. device=batch.positions.device)")
+        return (
+            f"your tensor is on {got.device}, but the inputs are on {expected.device}: make new tensors "
+            "with device=... (e.g. device=batch.positions.device)"
+        )
     return ""
 
 
@@ -97,8 +99,11 @@ def wrapped(message: str, width: int = WIDTH) -> str:
     out = []
     for line in message.splitlines():
         indent = " " * (len(line) - len(line.lstrip()))
-        out.append(textwrap.fill(line, width, subsequent_indent=indent + "  ", break_long_words=False,
-                                 break_on_hyphens=False) if line.strip() else line)
+        out.append(
+            textwrap.fill(line, width, subsequent_indent=indent + "  ", break_long_words=False, break_on_hyphens=False)
+            if line.strip()
+            else line
+        )
     return "\n".join(out)
 
 
@@ -129,8 +134,10 @@ def show_message(message: str) -> None:
 
     verdict = _verdict(message)
     colour = {"passed": "#e8f5e9", "try again": "#ffebee", "not solved": "#fff8e1"}.get(verdict, "#f5f5f5")
-    body = (f'<div style="background:{colour};padding:6px 10px;border-radius:4px;font-family:monospace;'
-            f'white-space:pre-wrap">{MARKS.get(verdict, "")} {html.escape(message)}</div>')
+    body = (
+        f'<div style="background:{colour};padding:6px 10px;border-radius:4px;font-family:monospace;'
+        f'white-space:pre-wrap">{MARKS.get(verdict, "")} {html.escape(message)}</div>'
+    )
     display({"text/plain": text, "text/html": body}, raw=True)
 
 
@@ -166,8 +173,7 @@ def _raised(name: str, case_text: str, err: BaseException, reference: Any, quiet
     where = traceback.extract_tb(err.__traceback__)[-1]
     return failed(
         name,
-        f"on input {case_text} your code raised {type(err).__name__}: {err} "
-        f"(line {where.lineno}: {where.line})",
+        f"on input {case_text} your code raised {type(err).__name__}: {err} (line {where.lineno}: {where.line})",
         reference,
         quiet,
     )
@@ -194,7 +200,11 @@ def type_problem(expected: Any, got: Any) -> str:
     if isinstance(expected, bool) or expected is None:
         return "" if type(got) is type(expected) else f"expected {expected!r}, got a {type(got).__name__}"
     if isinstance(expected, numbers.Integral):
-        return "" if isinstance(got, numbers.Integral) and not isinstance(got, bool) else f"expected an int, got {type(got).__name__} {got!r}"
+        return (
+            ""
+            if isinstance(got, numbers.Integral) and not isinstance(got, bool)
+            else f"expected an int, got {type(got).__name__} {got!r}"
+        )
     if isinstance(expected, (tuple, list, dict)) and not isinstance(got, type(expected)):
         return f"expected a {type(expected).__name__}, got {type(got).__name__}"
     if isinstance(expected, (tuple, list)) and len(got) == len(expected):
@@ -224,8 +234,13 @@ def same_value(a: Any, b: Any) -> bool:
         import torch
 
         if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-            return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype
-                    and a.shape == b.shape and bool(torch.equal(a.cpu(), b.cpu())))
+            return (
+                isinstance(a, torch.Tensor)
+                and isinstance(b, torch.Tensor)
+                and a.dtype == b.dtype
+                and a.shape == b.shape
+                and bool(torch.equal(a.cpu(), b.cpu()))
+            )
     except ImportError:  # pragma: no cover
         pass
     if type(a) is not type(b):
@@ -299,8 +314,13 @@ def check_function(
         changed = _changed_argument(before, case)
         if changed is not None:
             what = arg_names[changed] if changed < len(arg_names) else f"argument {changed + 1}"
-            return failed(name, f"on input ({shown}) your code changed its input `{what}`; it must leave its inputs "
-                          "as they were (build a new value instead)", reference, quiet)
+            return failed(
+                name,
+                f"on input ({shown}) your code changed its input `{what}`; it must leave its inputs "
+                "as they were (build a new value instead)",
+                reference,
+                quiet,
+            )
         problem = type_problem(expected, got) if equal is default_equal else ""
         if problem or not equal(expected, got):
             hint = device_hint(expected, got) or _safe_explain(explain, case, expected, got)
@@ -327,6 +347,8 @@ def expect_error(
         return None
     except Exception as err:  # noqa: BLE001
         names = error.__name__ if isinstance(error, type) else " or ".join(e.__name__ for e in error)
-        return failed(name, f"{what}: expected {names}, but your code raised {type(err).__name__}: {err}", reference, quiet)
+        return failed(
+            name, f"{what}: expected {names}, but your code raised {type(err).__name__}: {err}", reference, quiet
+        )
     names = error.__name__ if isinstance(error, type) else " or ".join(e.__name__ for e in error)
     return failed(name, f"{what}: expected a {names}, but your code returned normally", reference, quiet)

@@ -33,7 +33,9 @@ def _config_cases(seed: int = 0) -> list[tuple]:
     for _ in range(6):
         heads = rng.choice([4, 8, 16, 32])
         kv = rng.choice([h for h in (1, 2, 4, 8, heads) if heads % h == 0])
-        cases.append((_config(rng.randint(1, 48), heads * rng.choice([32, 64, 128]), heads, kv_heads=kv), rng.choice([1, 2, 4])))
+        cases.append(
+            (_config(rng.randint(1, 48), heads * rng.choice([32, 64, 128]), heads, kv_heads=kv), rng.choice([1, 2, 4]))
+        )
     return cases
 
 
@@ -50,9 +52,15 @@ def _explain_kv(case, expected, got):
             return "that looks like a number of elements: how many bytes does one element take?"
         if got * 2 == expected:
             return "exactly half: did you count both the key and the value?"
-        if kv_math.kv_heads_of(cfg) != cfg.num_attention_heads and got * kv_math.kv_heads_of(cfg) == expected * cfg.num_attention_heads:
+        if (
+            kv_math.kv_heads_of(cfg) != cfg.num_attention_heads
+            and got * kv_math.kv_heads_of(cfg) == expected * cfg.num_attention_heads
+        ):
             return "this is a grouped-query model: how many heads are K and V stored for (num_key_value_heads)?"
-        if getattr(cfg, "head_dim", None) and got * cfg.head_dim * cfg.num_attention_heads == expected * cfg.hidden_size:
+        if (
+            getattr(cfg, "head_dim", None)
+            and got * cfg.head_dim * cfg.num_attention_heads == expected * cfg.hidden_size
+        ):
             return "this config states its head_dim: is it hidden_size / num_attention_heads here?"
     return ""
 
@@ -98,6 +106,7 @@ def check_decode_with_cache(fn, w) -> CheckResult:
     """
     name = "decode_with_cache"
     rng = random.Random(1)
+
     def model():
         return Stepper(w, cached=True)
 
@@ -105,8 +114,14 @@ def check_decode_with_cache(fn, w) -> CheckResult:
         return _ScriptedStep([9, 17, w.eos_token_id, 23, 5, 6], w.vocab_size)
 
     cases = [([w.bos_token_id], 1, model), ([w.bos_token_id, 7], 5, model)]
-    cases += [([w.bos_token_id] + [rng.randrange(4, w.vocab_size) for _ in range(rng.randint(1, 12))], rng.randint(2, 8), model)
-              for _ in range(4)]
+    cases += [
+        (
+            [w.bos_token_id] + [rng.randrange(4, w.vocab_size) for _ in range(rng.randint(1, 12))],
+            rng.randint(2, 8),
+            model,
+        )
+        for _ in range(4)
+    ]
     cases.append(([w.bos_token_id, 40, 41], 6, emits_eos))
     for prompt, n, make_step in cases:
         expected = decode_with_cache(make_step(), list(prompt), n)
@@ -117,12 +132,22 @@ def check_decode_with_cache(fn, w) -> CheckResult:
         except NotImplementedError:
             return not_implemented(name, decode_with_cache)
         except Exception as err:  # noqa: BLE001
-            return failed(name, f"with prompt {prompt} and max_new_tokens={n} your code raised {type(err).__name__}: {err}", decode_with_cache)
+            return failed(
+                name,
+                f"with prompt {prompt} and max_new_tokens={n} your code raised {type(err).__name__}: {err}",
+                decode_with_cache,
+            )
         if not isinstance(got, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in got):
-            return failed(name, f"with prompt {prompt}: return a list of ints (token ids), got {short(got)}", decode_with_cache)
+            return failed(
+                name, f"with prompt {prompt}: return a list of ints (token ids), got {short(got)}", decode_with_cache
+            )
         if given != prompt:
-            return failed(name, f"the caller's prompt {prompt} became {short(given)}: leave it as it was (keep your own "
-                          "list of generated tokens)", decode_with_cache)
+            return failed(
+                name,
+                f"the caller's prompt {prompt} became {short(given)}: leave it as it was (keep your own "
+                "list of generated tokens)",
+                decode_with_cache,
+            )
         need = len(prompt) + n - 1
         if step.tokens_processed != need and got == expected:
             more = step.tokens_processed - need

@@ -118,9 +118,15 @@ def check_release(fn) -> CheckResult:
         if bad is not None:
             return bad
         if holes != kept:
-            return failed(name, f"{what}: your code raised ValueError, but it had already changed the hole list to "
-                          f"{holes}; a refused call must leave everything as it was", contiguous.release)
-    return passed(name, f"{len(_release_cases())} frees merge like the reference, and double frees raise ValueError.", fn)
+            return failed(
+                name,
+                f"{what}: your code raised ValueError, but it had already changed the hole list to "
+                f"{holes}; a refused call must leave everything as it was",
+                contiguous.release,
+            )
+    return passed(
+        name, f"{len(_release_cases())} frees merge like the reference, and double frees raise ValueError.", fn
+    )
 
 
 def _batches() -> list[tuple[StepBatch, list[int]]]:
@@ -135,7 +141,9 @@ def _batches() -> list[tuple[StepBatch, list[int]]]:
         k = rng.randint(1, 4)
         news = [[rng.randint(4, 99) for _ in range(rng.choice([1, 1, rng.randint(1, 6)]))] for _ in range(k)]
         before = [rng.randint(0, 20) for _ in range(k)]
-        out.append((StepBatch.build(list(range(k)), news, before, device=dev), [rng.randrange(0, 500, 32) for _ in range(k)]))
+        out.append(
+            (StepBatch.build(list(range(k)), news, before, device=dev), [rng.randrange(0, 500, 32) for _ in range(k)])
+        )
     return out
 
 
@@ -182,4 +190,3 @@ def check_reservation_errors(cache_cls=contiguous.ContiguousKVCache) -> None:
             print(f"{what:45s} -> {type(err).__name__}: {err}")
         else:  # pragma: no cover - would be a course bug
             print(f"{what:45s} -> no error (unexpected)")
-

@@ -35,20 +35,30 @@ def _allocation_cases() -> list[tuple]:
 
 
 def _equal_kinds(expected, got) -> bool:
-    return (isinstance(got, np.ndarray) and got.shape == expected.shape and np.issubdtype(got.dtype, np.integer)
-            and bool((got == expected).all()))
+    return (
+        isinstance(got, np.ndarray)
+        and got.shape == expected.shape
+        and np.issubdtype(got.dtype, np.integer)
+        and bool((got == expected).all())
+    )
 
 
 def _explain_kinds(case, expected, got):
     if not isinstance(got, np.ndarray) or got.shape != expected.shape:
         return f"return a numpy array with one entry per slot (shape {expected.shape})"
     if not np.issubdtype(got.dtype, np.integer):
-        return f"the kinds are small integers (R.TOKEN, R.RESERVED, ...): expected an integer array, got dtype {got.dtype}"
+        return (
+            f"the kinds are small integers (R.TOKEN, R.RESERVED, ...): expected an integer array, got dtype {got.dtype}"
+        )
     bad = np.flatnonzero(got != expected)
     i = int(bad[0])
     total, allocs = case
     owner = next((a for a in allocs if a[0] <= i < a[0] + a[1]), None)
-    where = f"slot {i} is in the reservation {owner} (start, reserved, used, final)" if owner else f"slot {i} belongs to no reservation"
+    where = (
+        f"slot {i} is in the reservation {owner} (start, reserved, used, final)"
+        if owner
+        else f"slot {i} belongs to no reservation"
+    )
     return f"{where}: expected {_NAMES.get(int(expected[i]), expected[i])}, got {_NAMES.get(int(got[i]), got[i])} ({len(bad)} slots differ)"
 
 

@@ -35,9 +35,13 @@ def _refused(name, a, call, arg, expected, what):
         got = f"raised {type(err).__name__}: {err}" if err else f"returned {value!r}"
         return failed(name, f"{what} {got}; expected {expected.__name__}", BlockAllocator)
     if _state(a) != before:
-        return failed(name, f"{what} raised {expected.__name__} as it should, but had already changed the allocator "
-                      f"(num_free {before[2]} -> {a.num_free}): a refused call must change nothing, or a block ends up "
-                      "handed out twice", BlockAllocator)
+        return failed(
+            name,
+            f"{what} raised {expected.__name__} as it should, but had already changed the allocator "
+            f"(num_free {before[2]} -> {a.num_free}): a refused call must change nothing, or a block ends up "
+            "handed out twice",
+            BlockAllocator,
+        )
     return None
 
 
@@ -48,8 +52,19 @@ def check_block_allocator(cls) -> CheckResult:
         a = cls(4)
         got = [_call(a.allocate)[0] for _ in range(4)]
         if sorted(x for x in got if x is not None) != [0, 1, 2, 3] or None in got:
-            return failed(name, f"allocating all 4 blocks of a fresh allocator gave {got}; expected each of 0, 1, 2, 3 once", BlockAllocator)
-        bad = _refused(name, a, a.allocate, None, OutOfBlocks, "allocate() with no free block left (the scheduler catches OutOfBlocks)")
+            return failed(
+                name,
+                f"allocating all 4 blocks of a fresh allocator gave {got}; expected each of 0, 1, 2, 3 once",
+                BlockAllocator,
+            )
+        bad = _refused(
+            name,
+            a,
+            a.allocate,
+            None,
+            OutOfBlocks,
+            "allocate() with no free block left (the scheduler catches OutOfBlocks)",
+        )
         if bad is not None:
             return bad
         for held_id in (-1, -4, 4):  # every block is held: a negative id must not wrap around to a held block
@@ -61,9 +76,15 @@ def check_block_allocator(cls) -> CheckResult:
             return failed(name, f"free({got[2]}) of a held block raised {type(err).__name__}: {err}", BlockAllocator)
         value, err = _call(a.allocate)
         if value != got[2]:
-            return failed(name, f"after freeing block {got[2]} (the only free one), allocate() gave {value!r}{f' and raised {err!r}' if err else ''}", BlockAllocator)
+            return failed(
+                name,
+                f"after freeing block {got[2]} (the only free one), allocate() gave {value!r}{f' and raised {err!r}' if err else ''}",
+                BlockAllocator,
+            )
         if a.num_free != 0:
-            return failed(name, f"with every block held, num_free is {a.num_free}: keep self._free_queue in step", BlockAllocator)
+            return failed(
+                name, f"with every block held, num_free is {a.num_free}: keep self._free_queue in step", BlockAllocator
+            )
         b = cls(4)
         first = b.allocate()
         b.free(first)
@@ -71,7 +92,9 @@ def check_block_allocator(cls) -> CheckResult:
         if bad is not None:
             return bad
         for out_of_range in (4, -1, 100):
-            bad = _refused(name, b, b.free, out_of_range, ValueError, f"free({out_of_range}) on a 4-block allocator (out of range)")
+            bad = _refused(
+                name, b, b.free, out_of_range, ValueError, f"free({out_of_range}) on a 4-block allocator (out of range)"
+            )
             if bad is not None:
                 return bad
         # randomized: never hand out a held block, counts always right
@@ -84,15 +107,27 @@ def check_block_allocator(cls) -> CheckResult:
             else:
                 x = c.allocate()
                 if x in held or not 0 <= x < 16:
-                    return failed(name, f"operation {i}: allocate() returned {x}, which is {'already held' if x in held else 'out of range'}", BlockAllocator)
+                    return failed(
+                        name,
+                        f"operation {i}: allocate() returned {x}, which is {'already held' if x in held else 'out of range'}",
+                        BlockAllocator,
+                    )
                 held.add(x)
             if c.num_free != 16 - len(held):
-                return failed(name, f"operation {i}: num_free is {c.num_free}, but {16 - len(held)} blocks are free", BlockAllocator)
+                return failed(
+                    name,
+                    f"operation {i}: num_free is {c.num_free}, but {16 - len(held)} blocks are free",
+                    BlockAllocator,
+                )
     except NotImplementedError:
         return not_implemented(name, BlockAllocator)
     except Exception as err:  # noqa: BLE001
         return failed(name, f"raised {type(err).__name__}: {err}", BlockAllocator)
-    return passed(name, "hands out every block once, raises OutOfBlocks when empty, refuses double and out-of-range frees, and survives 300 random operations.", cls)
+    return passed(
+        name,
+        "hands out every block once, raises OutOfBlocks when empty, refuses double and out-of-range frees, and survives 300 random operations.",
+        cls,
+    )
 
 
 def _grow_cases():
@@ -109,17 +144,25 @@ def check_grow_block_table(fn) -> CheckResult:
         ids_ref, ids_got = iter(range(100, 1000)), iter(range(100, 1000))
         ref, got = [], []
         for n in range(tokens):
-            bt.grow_block_table(ref, n, block_size, lambda: next(ids_ref))
+            bt.grow_block_table(ref, n, block_size, ids_ref.__next__)
             try:
-                result = fn(got, n, block_size, lambda: next(ids_got))
+                result = fn(got, n, block_size, ids_got.__next__)
             except NotImplementedError:
                 return not_implemented(name, bt.grow_block_table)
             except Exception as err:  # noqa: BLE001
-                return failed(name, f"with block_size={block_size}, growing from {n} tokens raised {type(err).__name__}: {err}", bt.grow_block_table)
+                return failed(
+                    name,
+                    f"with block_size={block_size}, growing from {n} tokens raised {type(err).__name__}: {err}",
+                    bt.grow_block_table,
+                )
             if isinstance(result, list) and result is not got and got != ref and result == ref:
-                return failed(name, f"with block_size={block_size}, growing from {n} tokens: you returned a new table, "
-                              f"but the caller's table is still {got}. The engine keeps using the table it passed in: "
-                              "grow that list itself (in place)", bt.grow_block_table)
+                return failed(
+                    name,
+                    f"with block_size={block_size}, growing from {n} tokens: you returned a new table, "
+                    f"but the caller's table is still {got}. The engine keeps using the table it passed in: "
+                    "grow that list itself (in place)",
+                    bt.grow_block_table,
+                )
             if got != ref:
                 hint = ""
                 if len(got) > len(ref):
@@ -210,4 +253,3 @@ def check_gather_kv(fn) -> CheckResult:
         explain=explain,
         arg_names=("cache", "block_table", "context_len"),
     )
-

@@ -20,8 +20,16 @@ PROBE_PAD = 1024  # table entries on each side of a probe's table: a wrong index
 
 
 @triton.jit
-def _probe_slots(table_ptr, slots_ptr, mask_ptr, start, context_len, SLOTS: tl.constexpr, TILE: tl.constexpr,
-                 BLOCK_SIZE: tl.constexpr):
+def _probe_slots(
+    table_ptr,
+    slots_ptr,
+    mask_ptr,
+    start,
+    context_len,
+    SLOTS: tl.constexpr,
+    TILE: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+):
     """Runs a learner's ``block_slots`` alone and stores what it returns: nothing is loaded *through* the
     slots, so a wrong slot cannot make the kernel read outside the cache (in the interpreter that would
     crash the Python process, and the learner would see a dead kernel instead of feedback)."""
@@ -35,7 +43,13 @@ def _probe_block_slots(fn) -> str:
     """'' when ``fn`` returns the right slots and mask on probe cases; else what was wrong. Raises what the
     learner's code raises (NotImplementedError included)."""
     dev = case_device()
-    for block_size, tile, start, context_len in [(8, 8, 0, 8), (8, 16, 16, 29), (4, 32, 0, 13), (16, 16, 16, 17), (8, 8, 0, 1)]:
+    for block_size, tile, start, context_len in [
+        (8, 8, 0, 8),
+        (8, 16, 16, 29),
+        (4, 32, 0, 13),
+        (16, 16, 16, 17),
+        (8, 8, 0, 1),
+    ]:
         g = torch.Generator().manual_seed(block_size * 100 + context_len)
         needed = -(-context_len // block_size)
         table = torch.randperm(64, generator=g)[: max(needed, 1)].to(torch.int32)
@@ -45,21 +59,30 @@ def _probe_block_slots(fn) -> str:
         slots = torch.zeros(tile, dtype=torch.int64, device=dev)
         mask = torch.zeros(tile, dtype=torch.int32, device=dev)
         with np.errstate(all="ignore"), kernel_launch():
-            _probe_slots[(1,)](buffer[PROBE_PAD:], slots, mask, start, context_len, SLOTS=fn, TILE=tile, BLOCK_SIZE=block_size)
+            _probe_slots[(1,)](
+                buffer[PROBE_PAD:], slots, mask, start, context_len, SLOTS=fn, TILE=tile, BLOCK_SIZE=block_size
+            )
         token = torch.arange(start, start + tile)
         want_mask = token < context_len
-        want = torch.where(want_mask, table.long()[torch.clamp(token // block_size, max=len(table) - 1)] * block_size
-                           + token % block_size, 0)
+        want = torch.where(
+            want_mask,
+            table.long()[torch.clamp(token // block_size, max=len(table) - 1)] * block_size + token % block_size,
+            0,
+        )
         got_mask, got = mask.cpu().bool(), slots.cpu()
         case = f"block size {block_size}, tokens {start}..{start + tile - 1}, context length {context_len}, table {table.tolist()}"
         if not torch.equal(got_mask, want_mask):
             t = int((got_mask != want_mask).nonzero()[0, 0])
-            return (f"{case}: token {start + t} has mask {bool(got_mask[t])}, expected {bool(want_mask[t])} - which tokens "
-                    "of the tile exist?")
+            return (
+                f"{case}: token {start + t} has mask {bool(got_mask[t])}, expected {bool(want_mask[t])} - which tokens "
+                "of the tile exist?"
+            )
         if not torch.equal(got[want_mask], want[want_mask]):
             t = int((got != want).logical_and(want_mask).nonzero()[0, 0])
-            return (f"{case}: token {start + t} got slot {int(got[t])}, expected {int(want[t])} - which logical block "
-                    "and offset is that token, and which physical block does the table give?")
+            return (
+                f"{case}: token {start + t} got slot {int(got[t])}, expected {int(want[t])} - which logical block "
+                "and offset is that token, and which physical block does the table give?"
+            )
     return ""
 
 
@@ -98,7 +121,11 @@ def _run_cases(name, cases, kernel_kw, reference_fallback) -> CheckResult:
         except Exception as err:  # noqa: BLE001 - compile or runtime errors become feedback
             if "NotImplementedError" in repr(err) or "not solved yet" in str(err):
                 return not_implemented(name, reference_fallback)
-            return failed(name, f"case '{label}' ({what}): the kernel raised {type(err).__name__}: {str(err)[:400]}", reference_fallback)
+            return failed(
+                name,
+                f"case '{label}' ({what}): the kernel raised {type(err).__name__}: {str(err)[:400]}",
+                reference_fallback,
+            )
         if not torch.isfinite(got).all():
             return failed(
                 name,
@@ -122,9 +149,19 @@ def _run_cases(name, cases, kernel_kw, reference_fallback) -> CheckResult:
 def check_block_slots(fn) -> CheckResult:
     """Exercise 04-1: block-table lookup and pointer arithmetic (with the token mask)."""
     cases = [
-        ("identity table", "one sequence in blocks 0, 1: logical and physical blocks coincide", "simple", _case(1, [16], shuffle=False)),
+        (
+            "identity table",
+            "one sequence in blocks 0, 1: logical and physical blocks coincide",
+            "simple",
+            _case(1, [16], shuffle=False),
+        ),
         ("shuffled table", "physical blocks in random order: the table must be used", "simple", _case(2, [24, 16])),
-        ("partial last block", "context 13 with block size 8: tokens 13-15 do not exist and must be masked", "simple", _case(3, [13, 5])),
+        (
+            "partial last block",
+            "context 13 with block size 8: tokens 13-15 do not exist and must be masked",
+            "simple",
+            _case(3, [13, 5]),
+        ),
         ("context 1", "a single token", "simple", _case(4, [1, 9])),
         ("several blocks per tile", "the tiled variant looks up many blocks at once", "tiled", _case(5, [37, 70])),
     ]
@@ -135,7 +172,11 @@ def check_block_slots(fn) -> CheckResult:
     except Exception as err:  # noqa: BLE001 - compile or runtime errors become feedback
         if "NotImplementedError" in repr(err) or "not solved yet" in str(err):
             return not_implemented("block_slots", K.block_slots)
-        return failed("block_slots", f"running your block_slots alone raised {type(err).__name__}: {str(err)[:400]}", K.block_slots)
+        return failed(
+            "block_slots",
+            f"running your block_slots alone raised {type(err).__name__}: {str(err)[:400]}",
+            K.block_slots,
+        )
     if problem:
         return failed("block_slots", f"your block_slots, run alone in a probe kernel: {problem}", K.block_slots)
     result = _run_cases("block_slots", cases, {"slots_fn": fn}, K.block_slots)
@@ -148,8 +189,18 @@ def check_online_softmax_update(fn) -> CheckResult:
     """Exercise 04-2: one online-softmax step (running max, rescaled sum and accumulator)."""
     cases = [
         ("one tile", "context within one block: no rescaling needed yet", "simple", _case(11, [6, 8])),
-        ("many tiles", "five blocks: each new maximum must rescale l and acc by exp(m_old - m_new)", "simple", _case(12, [40, 33])),
-        ("large scores", "queries scaled x60: exp(score) overflows unless the running max is subtracted", "simple", _case(13, [30, 17], q_scale=60.0)),
+        (
+            "many tiles",
+            "five blocks: each new maximum must rescale l and acc by exp(m_old - m_new)",
+            "simple",
+            _case(12, [40, 33]),
+        ),
+        (
+            "large scores",
+            "queries scaled x60: exp(score) overflows unless the running max is subtracted",
+            "simple",
+            _case(13, [30, 17], q_scale=60.0),
+        ),
         ("tiled", "64 tokens per step", "tiled", _case(14, [70, 3])),
     ]
     result = _run_cases("online_softmax_update", cases, {"update_fn": fn}, K.online_softmax_update)

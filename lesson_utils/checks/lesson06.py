@@ -24,19 +24,27 @@ def check_swap_mapping(fn) -> CheckResult:
         ref_counter, got_counter = itertools.count(first_dst), itertools.count(first_dst)
         ref_already, got_already = {}, {}
         for table in tables:
-            want = swap.swap_mapping(list(table), lambda: next(ref_counter), ref_already)
+            want = swap.swap_mapping(list(table), ref_counter.__next__, ref_already)
             given = list(table)
             try:
-                got = fn(given, lambda: next(got_counter), got_already)
+                got = fn(given, got_counter.__next__, got_already)
             except NotImplementedError:
                 return not_implemented(name, swap.swap_mapping)
             except Exception as err:  # noqa: BLE001
-                return failed(name, f"case '{what}', table {table}: your code raised {type(err).__name__}: {err}", swap.swap_mapping)
+                return failed(
+                    name,
+                    f"case '{what}', table {table}: your code raised {type(err).__name__}: {err}",
+                    swap.swap_mapping,
+                )
             if not (isinstance(got, tuple) and len(got) == 2):
                 return failed(name, f"return (destination_blocks, copies), got {got!r}", swap.swap_mapping)
             if given != table:
-                return failed(name, f"case '{what}': the source table {table} became {given}: the mapping reads the "
-                              "sequence's blocks, it must not change them", swap.swap_mapping)
+                return failed(
+                    name,
+                    f"case '{what}': the source table {table} became {given}: the mapping reads the "
+                    "sequence's blocks, it must not change them",
+                    swap.swap_mapping,
+                )
             dst, copies = list(got[0]), list(got[1])
             if dst != want[0] or copies != want[1]:
                 hint = ""
@@ -56,7 +64,11 @@ def check_swap_mapping(fn) -> CheckResult:
                     swap.swap_mapping,
                 )
             if got_already != ref_already:
-                return failed(name, f"case '{what}': after table {table}, `already` is {got_already}; expected {ref_already} (remember each move)", swap.swap_mapping)
+                return failed(
+                    name,
+                    f"case '{what}': after table {table}, `already` is {got_already}; expected {ref_already} (remember each move)",
+                    swap.swap_mapping,
+                )
     return passed(name, "blocks map like the reference and shared blocks are copied once.", fn)
 
 
@@ -72,7 +84,11 @@ def check_choose_victim(fn) -> CheckResult:
         ("the newest is not last in the list", [_seq(0, 3), _seq(1, 9), _seq(2, 4)], 1),
         ("the longest sequence is the oldest", [_seq(0, 0, prompt=500), _seq(1, 7, prompt=3)], 1),
         ("two admitted in the same step: the later in the batch", [_seq(0, 2), _seq(1, 6), _seq(2, 6)], 2),
-        ("a tie in the same step where the earlier one is the longer", [_seq(0, 1), _seq(1, 6, prompt=90), _seq(2, 6, prompt=4)], 2),
+        (
+            "a tie in the same step where the earlier one is the longer",
+            [_seq(0, 1), _seq(1, 6, prompt=90), _seq(2, 6, prompt=4)],
+            2,
+        ),
         ("a single running sequence", [_seq(0, 4)], 0),
     ]
     for what, running, want in cases:
@@ -82,10 +98,16 @@ def check_choose_victim(fn) -> CheckResult:
         except NotImplementedError:
             return not_implemented(name, S.most_recently_admitted)
         except Exception as err:  # noqa: BLE001
-            return failed(name, f"case '{what}': your code raised {type(err).__name__}: {err}", S.most_recently_admitted)
+            return failed(
+                name, f"case '{what}': your code raised {type(err).__name__}: {err}", S.most_recently_admitted
+            )
         if given != running:
-            return failed(name, f"case '{what}': the running list changed (now {len(given)} sequences): choose the victim, "
-                          "the scheduler removes it", S.most_recently_admitted)
+            return failed(
+                name,
+                f"case '{what}': the running list changed (now {len(given)} sequences): choose the victim, "
+                "the scheduler removes it",
+                S.most_recently_admitted,
+            )
         if got is not running[want]:
             desc = ", ".join(f"seq {s.seq_id} (admitted at step {s.admitted_step}, {s.len} tokens)" for s in running)
             got_desc = f"seq {got.seq_id}" if isinstance(got, Sequence) else repr(got)
@@ -101,8 +123,13 @@ def check_choose_victim(fn) -> CheckResult:
 def check_reset_for_recompute(fn) -> CheckResult:
     """Exercise 06-3: a preempted sequence forgets its cached K/V and keeps all its tokens."""
     name = "reset_for_recompute"
-    seq = Sequence(Request(3, 0.0, 5, 20, prompt_ids=[2, 9, 9, 9, 9]), num_generated=4, output_ids=[7, 8, 9, 10],
-                   kv_len=8, admitted_step=2)
+    seq = Sequence(
+        Request(3, 0.0, 5, 20, prompt_ids=[2, 9, 9, 9, 9]),
+        num_generated=4,
+        output_ids=[7, 8, 9, 10],
+        kv_len=8,
+        admitted_step=2,
+    )
     seq.preemptions = 2  # preempted twice before: this is the third
     try:
         fn(seq)
@@ -112,16 +139,24 @@ def check_reset_for_recompute(fn) -> CheckResult:
         return failed(name, f"your code raised {type(err).__name__}: {err}", S.reset_for_recompute)
     problems = []
     if seq.kv_len != 0:
-        problems.append(f"kv_len is {seq.kv_len}: how many of this sequence's tokens are still in the cache once it "
-                        "is preempted by recompute?")
+        problems.append(
+            f"kv_len is {seq.kv_len}: how many of this sequence's tokens are still in the cache once it "
+            "is preempted by recompute?"
+        )
     if seq.output_ids != [7, 8, 9, 10] or seq.num_generated != 4:
-        problems.append(f"its output became {seq.output_ids} ({seq.num_generated} generated); recompute keeps every token "
-                        "generated so far - only their K/V are recomputed")
+        problems.append(
+            f"its output became {seq.output_ids} ({seq.num_generated} generated); recompute keeps every token "
+            "generated so far - only their K/V are recomputed"
+        )
     if seq.request.prompt_ids != [2, 9, 9, 9, 9]:
         problems.append("the prompt changed")
     if seq.preemptions != 3:
         problems.append(f"preemptions is {seq.preemptions}; it was 2 before this preemption (expected 3)")
     if problems:
-        return failed(name, "after resetting a sequence with a 5-token prompt and 4 generated tokens (kv_len 8, preempted twice before): "
-                      + "; ".join(problems), S.reset_for_recompute)
+        return failed(
+            name,
+            "after resetting a sequence with a 5-token prompt and 4 generated tokens (kv_len 8, preempted twice before): "
+            + "; ".join(problems),
+            S.reset_for_recompute,
+        )
     return passed(name, "the sequence keeps its tokens and will be prefilled again.", fn)

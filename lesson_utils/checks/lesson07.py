@@ -49,8 +49,9 @@ def _run(w, step_fn, prompts, max_new, num_blocks) -> _Run:
         finished.append(sorted(s.seq_id for s in engine.step()))
         if len(finished) > MAX_STEPS:
             raise TimeoutError(f"still running after {MAX_STEPS} steps")
-    return _Run([s.output_ids for s in seqs], finished, manager.cached_prompt_tokens, set(manager.pool.block_of),
-                runner.logged)
+    return _Run(
+        [s.output_ids for s in seqs], finished, manager.cached_prompt_tokens, set(manager.pool.block_of), runner.logged
+    )
 
 
 def check_engine_step(fn, w) -> CheckResult:
@@ -67,27 +68,51 @@ def check_engine_step(fn, w) -> CheckResult:
     except TimeoutError as err:
         return failed(name, f"{err}: do finished sequences ever leave the batch?", default_step)
     except OutOfBlocks as err:
-        return failed(name, f"the model ran out of blocks ({err}): was there room for every running sequence's next "
-                      "token before the model ran? (the scheduler can make it, preempting if memory is short)", default_step)
+        return failed(
+            name,
+            f"the model ran out of blocks ({err}): was there room for every running sequence's next "
+            "token before the model ran? (the scheduler can make it, preempting if memory is short)",
+            default_step,
+        )
     except Exception as err:  # noqa: BLE001
         return failed(name, f"your step raised {type(err).__name__}: {err}", default_step)
     if got.outputs != ref.outputs:
         bad = next(i for i, (a, b) in enumerate(zip(got.outputs, ref.outputs)) if a != b)
         return failed(name, f"request {bad} generated {got.outputs[bad]}; expected {ref.outputs[bad]}", default_step)
     if got.hits != ref.hits or got.registered != ref.registered:
-        return failed(name, f"outputs are right, but the prefix cache served {got.hits} prompt tokens (expected "
-                      f"{ref.hits}) and holds {len(got.registered)} registered blocks (expected {len(ref.registered)}): "
-                      "when are computed blocks registered?", default_step)
+        return failed(
+            name,
+            f"outputs are right, but the prefix cache served {got.hits} prompt tokens (expected "
+            f"{ref.hits}) and holds {len(got.registered)} registered blocks (expected {len(ref.registered)}): "
+            "when are computed blocks registered?",
+            default_step,
+        )
     if len(got.finished_per_step) > len(ref.finished_per_step):
-        return failed(name, f"serving took {len(got.finished_per_step)} steps instead of {len(ref.finished_per_step)}: "
-                      "in which step is a new request prefilled with your order of phases?", default_step)
+        return failed(
+            name,
+            f"serving took {len(got.finished_per_step)} steps instead of {len(ref.finished_per_step)}: "
+            "in which step is a new request prefilled with your order of phases?",
+            default_step,
+        )
     if got.finished_per_step != ref.finished_per_step:
         step = next(i for i, (a, b) in enumerate(zip(got.finished_per_step, ref.finished_per_step)) if a != b)
-        return failed(name, f"at step {step} your step returned sequences {got.finished_per_step[step]} as finished; "
-                      f"expected {ref.finished_per_step[step]} (what should a step return?)", default_step)
+        return failed(
+            name,
+            f"at step {step} your step returned sequences {got.finished_per_step[step]} as finished; "
+            f"expected {ref.finished_per_step[step]} (what should a step return?)",
+            default_step,
+        )
     for (ids, g), (ref_ids, r) in zip(got.logits, ref.logits):
         if ids != ref_ids or g.shape != r.shape or not torch.allclose(g, r, atol=1e-4, rtol=1e-4):
-            return failed(name, "same tokens, but the model computed other logits along the way: is every step "
-                          "running the model once, over the right sequences?", default_step)
-    return passed(name, f"same outputs, logits, finished sequences per step, {len(got.finished_per_step)} steps and "
-                  "prefix-cache hits as the course's engine.", fn)
+            return failed(
+                name,
+                "same tokens, but the model computed other logits along the way: is every step "
+                "running the model once, over the right sequences?",
+                default_step,
+            )
+    return passed(
+        name,
+        f"same outputs, logits, finished sequences per step, {len(got.finished_per_step)} steps and "
+        "prefix-cache hits as the course's engine.",
+        fn,
+    )
