@@ -15,7 +15,7 @@ from typing import Callable
 
 import torch
 
-from .kv_cache import StepBatch, fused_attention_over_context
+from .kv_cache import AttentionMetadata, StepBatch, fused_attention_over_context
 
 Hole = tuple[int, int]  # (start, length)
 
@@ -196,12 +196,12 @@ class ContiguousKVCache:
                     f"sequence {sid} needs {clen} slots but reserved only {self.reserved[sid]}: "
                     f"a contiguous cache cannot grow a reservation in place"
                 )
-        batch.extra["slots"] = self._slot_mapping(batch, [self.start[s] for s in batch.seq_ids])
+        batch.meta = AttentionMetadata(self._slot_mapping(batch, [self.start[s] for s in batch.seq_ids]))
         for sid, clen in zip(batch.seq_ids, batch.context_lens):
             self.length[sid] = clen
 
     def write(self, layer, batch, k, v):
-        slots = batch.extra["slots"]
+        slots = batch.meta.slots
         self.k[layer, slots] = k.to(self.k.dtype)
         self.v[layer, slots] = v.to(self.v.dtype)
 

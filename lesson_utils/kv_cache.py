@@ -12,11 +12,40 @@ sequence being prefilled, one token for a sequence being decoded.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 import torch.nn.functional as F
+
+
+@dataclass
+class DecodeGroup:
+    """The sequences of a step that decode one token each, served together by one batched attention call.
+
+    ``indices`` are their places in the batch; ``rows`` their rows in the flat batch and ``context_lens``
+    their context lengths, both on the cache's device; ``slot_index`` (``[n, max_ctx]`` cache slots of their
+    context tokens) is built by the first layer that needs it and reused by the others.
+    """
+
+    indices: list[int]
+    rows: torch.Tensor
+    context_lens: torch.Tensor
+    slot_index: torch.Tensor | None = None
+
+
+@dataclass
+class AttentionMetadata:
+    """What a cache works out once per step, in ``prepare``, and reads in every layer's ``write``/``attend``.
+
+    ``slots``: the flat cache slot of every new token (``torch.long``, on the cache's device);
+    ``block_tables``: each sequence's physical blocks (paged caches; None for contiguous ones);
+    ``decode``: the sequences served together (:func:`mark_decodes`), None when there are none.
+    """
+
+    slots: torch.Tensor
+    block_tables: list[list[int]] | None = None
+    decode: DecodeGroup | None = None
 
 
 @dataclass
@@ -34,7 +63,7 @@ class StepBatch:
     context_lens: list[int]  # tokens held for the sequence once this step's K/V are written
     input_ids: torch.Tensor
     positions: torch.Tensor
-    extra: dict = field(default_factory=dict)  # room for a cache's own per-step data (slot mapping, ...)
+    meta: AttentionMetadata | None = None  # set by the cache's prepare(), for its own write() and attend()
 
     @property
     def starts(self) -> list[int]:
@@ -144,21 +173,19 @@ def fused_attention_over_context(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     return out.transpose(0, 1)
 
 
-def mark_decodes(batch: StepBatch, enabled: bool, device) -> list[int]:
-    """Which sequences of ``batch`` decode one token this step (all of them at once, when ``enabled``).
-
-    Sets ``batch.extra["decode"]`` (their indices in the batch; empty when not ``enabled``) and, if any,
-    ``batch.extra["decode_rows"]`` (their rows in the flat batch) and ``batch.extra["decode_ctx"]`` (their
-    context lengths), both tensors on ``device``. A cache calls it in ``prepare``; ``attend`` then serves
-    the other sequences one by one and these together.
-    """
+def mark_decodes(batch: StepBatch, enabled: bool, device) -> DecodeGroup | None:
+    """The sequences of ``batch`` that decode one token this step, to serve all at once (None when there are
+    none, or when not ``enabled``). A cache calls it in ``prepare``; ``attend`` then serves the other
+    sequences one by one and these together."""
     decode = [i for i, n in enumerate(batch.query_lens) if n == 1] if enabled else []
-    batch.extra["decode"] = decode
-    if decode:
-        starts = batch.starts
-        batch.extra["decode_rows"] = torch.tensor([starts[i] for i in decode], device=device)
-        batch.extra["decode_ctx"] = torch.tensor([batch.context_lens[i] for i in decode], device=device)
-    return decode
+    if not decode:
+        return None
+    starts = batch.starts
+    return DecodeGroup(
+        decode,
+        torch.tensor([starts[i] for i in decode], device=device),
+        torch.tensor([batch.context_lens[i] for i in decode], device=device),
+    )
 
 
 def decode_slot_index(first_slots_or_tables, context_lens: list[int], block_size: int | None, device) -> torch.Tensor:

@@ -28,7 +28,14 @@ import torch
 from .block_manager import BlockManager
 from .block_table import gather_kv, slot_mapping
 from .device_discipline import acts_as_gpu
-from .kv_cache import StepBatch, decode_attention, decode_slot_index, fused_attention_over_context, mark_decodes
+from .kv_cache import (
+    AttentionMetadata,
+    StepBatch,
+    decode_attention,
+    decode_slot_index,
+    fused_attention_over_context,
+    mark_decodes,
+)
 
 
 class PagedKVCache:
@@ -87,9 +94,11 @@ class PagedKVCache:
             tables.append(table.blocks)
         for src, dst in getattr(self.manager, "pop_copies", list)():
             self.copy_block(src, dst)
-        batch.extra["slots"] = self._slot_mapping(batch, tables, self.block_size)
-        batch.extra["block_tables"] = tables
-        mark_decodes(batch, self.batched_decode, self.k_cache[0].device)
+        batch.meta = AttentionMetadata(
+            self._slot_mapping(batch, tables, self.block_size),
+            tables,
+            mark_decodes(batch, self.batched_decode, self.k_cache[0].device),
+        )
 
     # A swap moves all its blocks, K and V of every layer, in ONE host-device copy through a pinned staging
     # buffer: gather on the device, one asynchronous copy, scatter on the other side. Per layer (or per block)
@@ -139,16 +148,16 @@ class PagedKVCache:
             vc[dst].copy_(vc[src])
 
     def write(self, layer, batch, k, v):
-        slots = batch.extra["slots"]
+        slots = batch.meta.slots
         kc, vc = self.k_cache[layer], self.v_cache[layer]
         kc.view(-1, kc.shape[2], kc.shape[3])[slots] = k.to(kc.dtype)
         vc.view(-1, vc.shape[2], vc.shape[3])[slots] = v.to(vc.dtype)
 
     def attend(self, layer, batch, q, scale):
         out = torch.empty_like(q)
-        decode = batch.extra.get("decode", [])
-        skip = set(decode)
-        rows = zip(batch.extra["block_tables"], batch.starts, batch.query_lens, batch.context_lens)
+        decode = batch.meta.decode
+        skip = set(decode.indices) if decode else set()
+        rows = zip(batch.meta.block_tables, batch.starts, batch.query_lens, batch.context_lens)
         for i, (table, start, n, ctx) in enumerate(rows):
             if i in skip:
                 continue
@@ -156,28 +165,22 @@ class PagedKVCache:
             v = self._gather(self.v_cache[layer], table, ctx)
             out[start : start + n] = fused_attention_over_context(q[start : start + n], k, v, scale)
         if decode:
-            rows = batch.extra["decode_rows"]
-            out[rows] = self.attend_decodes(layer, batch, q[rows], scale)
+            out[decode.rows] = self.attend_decodes(layer, batch, q[decode.rows], scale)
         return out
 
     def attend_decodes(self, layer, batch, q, scale):
         """Attention of the decoding sequences' new tokens (``q``: ``[num_decodes, heads, d]``), all at once."""
-        if "decode_slots" not in batch.extra:  # built at the first layer, reused by the others
-            decode = batch.extra["decode"]
-            batch.extra["decode_slots"] = decode_slot_index(
-                [batch.extra["block_tables"][i] for i in decode],
-                [batch.context_lens[i] for i in decode],
+        decode = batch.meta.decode
+        if decode.slot_index is None:  # built at the first layer, reused by the others
+            decode.slot_index = decode_slot_index(
+                [batch.meta.block_tables[i] for i in decode.indices],
+                [batch.context_lens[i] for i in decode.indices],
                 self.block_size,
                 q.device,
             )
         kc, vc = self.k_cache[layer], self.v_cache[layer]
         return decode_attention(
-            q,
-            kc.view(-1, *kc.shape[2:]),
-            vc.view(-1, *vc.shape[2:]),
-            batch.extra["decode_slots"],
-            batch.extra["decode_ctx"],
-            scale,
+            q, kc.view(-1, *kc.shape[2:]), vc.view(-1, *vc.shape[2:]), decode.slot_index, decode.context_lens, scale
         )
 
     def free(self, seq_id: int) -> None:

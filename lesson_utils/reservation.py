@@ -181,21 +181,22 @@ class ReservedKVCache:
         return cls(w.num_layers, w.num_kv_heads, w.head_dim, manager, **kw)
 
     def prepare(self, batch) -> None:
-        from .kv_cache import decode_slot_index, mark_decodes
+        from .kv_cache import AttentionMetadata, decode_slot_index, mark_decodes
 
         for sid, clen in zip(batch.seq_ids, batch.context_lens):
             if clen > self.manager.reserved[sid]:
                 raise NeverFits(f"sequence {sid} needs {clen} slots but reserved {self.manager.reserved[sid]}")
-        batch.extra["slots"] = self._slot_mapping(batch, [self.manager.start[s] for s in batch.seq_ids])
         decode = mark_decodes(batch, self.batched_decode, self.k.device)
         if decode:  # the same batched decode attention as the paged cache: only where K/V live differs
-            first = [self.manager.start[batch.seq_ids[i]] for i in decode]
-            ctx = [batch.context_lens[i] for i in decode]
-            batch.extra["decode_slots"] = decode_slot_index(first, ctx, None, self.k.device)
+            first = [self.manager.start[batch.seq_ids[i]] for i in decode.indices]
+            ctx = [batch.context_lens[i] for i in decode.indices]
+            decode.slot_index = decode_slot_index(first, ctx, None, self.k.device)
+        slots = self._slot_mapping(batch, [self.manager.start[s] for s in batch.seq_ids])
+        batch.meta = AttentionMetadata(slots, decode=decode)
 
     def write(self, layer, batch, k, v):
-        self.k[layer, batch.extra["slots"]] = k.to(self.k.dtype)
-        self.v[layer, batch.extra["slots"]] = v.to(self.v.dtype)
+        self.k[layer, batch.meta.slots] = k.to(self.k.dtype)
+        self.v[layer, batch.meta.slots] = v.to(self.v.dtype)
 
     def attend(self, layer, batch, q, scale):
         import torch
@@ -203,7 +204,8 @@ class ReservedKVCache:
         from .kv_cache import decode_attention, fused_attention_over_context
 
         out = torch.empty_like(q)
-        skip = set(batch.extra["decode"])
+        decode = batch.meta.decode
+        skip = set(decode.indices) if decode else set()
         for i, (sid, start, n, ctx) in enumerate(
             zip(batch.seq_ids, batch.starts, batch.query_lens, batch.context_lens)
         ):
@@ -213,10 +215,9 @@ class ReservedKVCache:
             out[start : start + n] = fused_attention_over_context(
                 q[start : start + n], self.k[layer, first : first + ctx], self.v[layer, first : first + ctx], scale
             )
-        if skip:
-            rows = batch.extra["decode_rows"]
-            out[rows] = decode_attention(
-                q[rows], self.k[layer], self.v[layer], batch.extra["decode_slots"], batch.extra["decode_ctx"], scale
+        if decode:
+            out[decode.rows] = decode_attention(
+                q[decode.rows], self.k[layer], self.v[layer], decode.slot_index, decode.context_lens, scale
             )
         return out
 

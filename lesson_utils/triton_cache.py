@@ -12,10 +12,23 @@ things change:
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from .kernels import paged_attention_decode, write_kv_to_cache
+from .kv_cache import AttentionMetadata
 from .paged_cache import PagedKVCache
+
+
+@dataclass
+class TritonMetadata(AttentionMetadata):
+    """The paged cache's step metadata, plus what the kernels take: int32 slots and, for the decoding
+    sequences, their block tables padded into one int32 tensor and their context lengths as int32."""
+
+    slots_i32: torch.Tensor | None = None
+    decode_tables: torch.Tensor | None = None
+    decode_lens: torch.Tensor | None = None
 
 
 class TritonPagedKVCache(PagedKVCache):
@@ -27,28 +40,28 @@ class TritonPagedKVCache(PagedKVCache):
     def prepare(self, batch):
         super().prepare(batch)
         device = self.k_cache[0].device
-        batch.extra["slots_i32"] = batch.extra["slots"].to(device=device, dtype=torch.int32)
-        decode = batch.extra["decode"]
-        if decode:
-            tables = [batch.extra["block_tables"][i] for i in decode]
+        meta = TritonMetadata(**vars(batch.meta), slots_i32=batch.meta.slots.to(device=device, dtype=torch.int32))
+        if meta.decode:
+            tables = [meta.block_tables[i] for i in meta.decode.indices]
             width = max(len(t) for t in tables)
             padded = [list(t) + [0] * (width - len(t)) for t in tables]  # built on the host, moved once
-            batch.extra["block_tables_t"] = torch.tensor(padded, dtype=torch.int32, device=device)
-            batch.extra["context_lens_t"] = batch.extra["decode_ctx"].to(torch.int32)
+            meta.decode_tables = torch.tensor(padded, dtype=torch.int32, device=device)
+            meta.decode_lens = meta.decode.context_lens.to(torch.int32)
+        batch.meta = meta
 
-    # The kernels' own value checks read their inputs back from the GPU (a sync per call, three per layer);
-    # here the slots and lengths come from host-side block tables the block manager keeps valid, so they are
-    # skipped: the step stays free of syncs until the logits are read.
+    # The kernels' own value checks read their inputs back from the GPU (one sync per call); here the slots
+    # and lengths come from host-side block tables the block manager keeps valid, so they are skipped: the
+    # step stays free of syncs until the logits are read.
     def write(self, layer, batch, k, v):
-        write_kv_to_cache(k, v, self.k_cache[layer], self.v_cache[layer], batch.extra["slots_i32"], validate=False)
+        write_kv_to_cache(k, v, self.k_cache[layer], self.v_cache[layer], batch.meta.slots_i32, validate=False)
 
     def attend_decodes(self, layer, batch, q, scale):
         return paged_attention_decode(
             q,
             self.k_cache[layer],
             self.v_cache[layer],
-            batch.extra["block_tables_t"],
-            batch.extra["context_lens_t"],
+            batch.meta.decode_tables,
+            batch.meta.decode_lens,
             scale,
             variant=self.variant,
             validate=False,

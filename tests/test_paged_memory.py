@@ -574,7 +574,7 @@ def test_paged_cache_matches_dense_reference(block_size, batched_decode):
         if step == 3:
             lens[3] = 0  # a newcomer is prefilled while the others decode
         batch = step_beside_dense(ours, ref, gen, lens, heads, dim)
-        batched_steps += bool(batch.extra["decode"])
+        batched_steps += batch.meta.decode is not None
         for sid, clen in zip(batch.seq_ids, batch.context_lens):
             assert len(manager.block_table(sid)) == blocks_needed(clen, block_size)
         manager.check_invariants()
@@ -609,8 +609,8 @@ def test_reserved_cache_matches_dense_reference(batched_decode):
     decoded = 0
     for _ in range(6):
         batch = step_beside_dense(ours, ref, gen, lens, heads, dim)
-        decoded += len(batch.extra["decode"])
-        assert bool(batch.extra["decode"]) <= batched_decode
+        decoded += len(batch.meta.decode.indices) if batch.meta.decode else 0
+        assert (batch.meta.decode is not None) <= batched_decode
     assert (decoded > 0) == batched_decode
 
 
