@@ -218,7 +218,11 @@ class SharingBlockManager(BlockManager):
             assert self.pool.ref_count[b] == counts.get(b, 0), (
                 f"block {b}: count {self.pool.ref_count[b]}, held by {counts.get(b, 0)} tables"
             )
-            assert (self.pool.ref_count[b] == 0) == self.pool.is_free(b), f"block {b} is both free and held"
+            # (is_free() is defined by the count: the free queue is what must agree with it)
+            in_queue = b in self.pool._free
+            assert (self.pool.ref_count[b] == 0) == in_queue, (
+                f"block {b}: count {self.pool.ref_count[b]}, {'in' if in_queue else 'not in'} the free queue"
+            )
         assert len(counts) + self.pool.num_free == self.num_blocks, "a block was lost"
         for sid, t in self.tables.items():
             assert len(t.blocks) == blocks_needed(t.num_tokens, self.block_size), (

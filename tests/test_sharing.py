@@ -731,3 +731,13 @@ def test_n_holders_of_a_shared_partial_block_cost_n_minus_1_copies(n, prompt_len
     assert len(set(owners)) == n + 1 and owners[-1] == last  # the last writer kept the original
     assert m.pool.ref_count[last] == 1
     m.check_invariants()
+
+
+def test_the_invariant_check_sees_a_free_queue_that_disagrees_with_the_counts():
+    from lesson_utils.sharing import SharingBlockManager
+
+    m = SharingBlockManager(4, 2, watermark=0)
+    m.check_invariants()
+    del m.pool._free[3]  # block 3 has count 0 but is no longer in the free queue: it is lost
+    with pytest.raises(AssertionError, match="block 3: count 0, not in the free queue"):
+        m.check_invariants()
