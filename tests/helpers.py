@@ -51,6 +51,18 @@ def assert_identical(model, prompts: list[list[int]], expected: list[list[int]],
     assert report.ok, report.failures()
 
 
+def merge_unchecked(holes, start, length):
+    """Lesson 01's release without its double-free check: insert the range and merge touching or overlapping
+    holes (the core of two plausible wrong answers)."""
+    merged = []
+    for h in sorted(holes + [(start, length)]):
+        if merged and merged[-1][0] + merged[-1][1] >= h[0]:
+            merged[-1] = (merged[-1][0], max(merged[-1][0] + merged[-1][1], h[0] + h[1]) - merged[-1][0])
+        else:
+            merged.append(h)
+    return merged
+
+
 def rejected(result, *needles) -> bool:
     """A checker's result says "wrong" (not "unsolved") and its message names every one of ``needles``."""
     assert not result.passed and result.implemented, result.message

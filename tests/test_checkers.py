@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from helpers import rejected
+from helpers import merge_unchecked, rejected
 
 from lesson_utils import contiguous, decoding, kv_math
 from lesson_utils import reservation as R
@@ -145,14 +145,7 @@ def test_release_checker():
     def no_merge(holes, start, length):
         return sorted(holes + [(start, length)])
 
-    def no_double_free_check(holes, start, length):
-        merged = []
-        for h in sorted(holes + [(start, length)]):
-            if merged and merged[-1][0] + merged[-1][1] >= h[0]:
-                merged[-1] = (merged[-1][0], max(merged[-1][0] + merged[-1][1], h[0] + h[1]) - merged[-1][0])
-            else:
-                merged.append(h)
-        return merged
+    no_double_free_check = merge_unchecked
 
     def unsorted(holes, start, length):
         return contiguous.release(holes, start, length)[::-1]

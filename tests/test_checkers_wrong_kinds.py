@@ -13,7 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from helpers import rejected
+from helpers import merge_unchecked, rejected
 
 from lesson_utils import block_table as bt
 from lesson_utils import contiguous, decoding, kv_math, sharing, swap
@@ -156,13 +156,7 @@ def test_a_freed_range_running_into_a_hole_is_a_double_free():
         for h_start, h_len in holes:
             if h_start <= start < h_start + h_len:
                 raise ValueError("already free")
-        merged = []
-        for h in sorted(holes + [(start, length)]):
-            if merged and merged[-1][0] + merged[-1][1] >= h[0]:
-                merged[-1] = (merged[-1][0], max(merged[-1][0] + merged[-1][1], h[0] + h[1]) - merged[-1][0])
-            else:
-                merged.append(h)
-        return merged
+        return merge_unchecked(holes, start, length)
 
     assert rejected(
         lesson01.check_release(checks_only_the_start), "starts before the free hole [10, 15) and runs into it"

@@ -133,38 +133,32 @@ def check_copy_on_write(fn) -> CheckResult:
                 sharing.copy_on_write,
             )
         new = got[1]
-        if writer.blocks[index] != new or writer.blocks[1 - index] != kept:
-            return failed(
-                name,
+        problems = [
+            (
+                writer.blocks[index] != new or writer.blocks[1 - index] != kept,
                 f"you copied block {old} to block {new}, and the writer's table is now {writer.blocks}: "
                 f"only its entry {index} should point to the copy",
-                sharing.copy_on_write,
-            )
-        if other.blocks != [4, 6]:
-            return failed(
-                name,
+            ),
+            (
+                other.blocks != [4, 6],
                 f"the other sequence's table changed to {other.blocks}: only the writer is repointed",
-                sharing.copy_on_write,
-            )
-        if pool.ref_count[old] != 1:
-            return failed(
-                name,
-                f"block {old} has count {pool.ref_count[old]} after the copy; expected 1: does the writer "
-                "still hold it?",
-                sharing.copy_on_write,
-            )
-        if pool.ref_count[new] != 1:
-            return failed(
-                name,
+            ),
+            (
+                pool.ref_count[old] != 1,
+                f"block {old} has count {pool.ref_count[old]} after the copy; expected 1: does the writer still hold it?",
+            ),
+            (
+                pool.ref_count[new] != 1,
                 f"the new block {new} has count {pool.ref_count[new]}; expected 1: where did it come from?",
-                sharing.copy_on_write,
-            )
-        if pool.ref_count[kept] != 2:
-            return failed(
-                name,
+            ),
+            (
+                pool.ref_count[kept] != 2,
                 f"block {kept} was not written and must stay shared (count 2), but has count {pool.ref_count[kept]}",
-                sharing.copy_on_write,
-            )
+            ),
+        ]
+        for wrong, message in problems:
+            if wrong:
+                return failed(name, message, sharing.copy_on_write)
     return passed(
         name,
         "exclusive blocks are left alone; a shared block (last or not) is copied and only the writer repointed.",
