@@ -51,6 +51,30 @@ class BlockManager:
         self._grow = grow_fn
 
     name = "PagedAttention"
+    can_fork = False  # lesson 05's SharingBlockManager shares blocks
+    num_cow = 0  # copy-on-write copies made (only a sharing manager makes any)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.allocator.num_free
+
+    # ---- hooks for sharing (lesson 05): nothing is ever shared here --------------------------------
+    def make_writable(self, seq_id: int, start: int, end: int) -> None:
+        """Before tokens ``start .. end - 1`` of ``seq_id`` are written: copy shared blocks (none here)."""
+
+    def pop_copies(self) -> list[tuple[int, int]]:
+        """Block copies the cache must make before this step's writes (copy-on-write; none here)."""
+        return []
+
+    def pending_copies(self) -> list[tuple[int, int]]:
+        """The copies :meth:`pop_copies` would return, without taking them (a swap reads them)."""
+        return []
+
+    def forget_prefix(self, seq_id: int) -> None:
+        """``seq_id`` leaves the GPU (swapped out): drop what the prefix cache keeps per sequence (nothing here)."""
+
+    def external_fragmentation(self) -> float:
+        return float("nan")  # blocks leave no holes
 
     @property
     def total_slots(self) -> int:

@@ -63,10 +63,6 @@ def check_token_ids(ids, vocab_size: int, what: str = "prompt") -> list[int]:
     return out
 
 
-def _can_fork(manager) -> bool:
-    return callable(getattr(manager, "fork", None))
-
-
 class ModelRunner:
     """Runs the OPT forward for a step and picks each sequence's next token."""
 
@@ -199,7 +195,7 @@ class Engine:
             raise ValueError(f"max_new_tokens must be an int of at least 1, got {max_new_tokens!r}")
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise ValueError(f"n (samples per prompt) must be an int of at least 1, got {n!r}")
-        if n > 1 and not _can_fork(self.manager):
+        if n > 1 and not self.manager.can_fork:
             raise ValueError(
                 f"n={n} samples share the prompt's blocks by forking, and this cache's memory manager "
                 f"({type(self.manager).__name__}) cannot fork: use a SharingBlockManager (lesson 05)"
@@ -269,10 +265,8 @@ class Engine:
             raise RuntimeError("the head request cannot be admitted even into an empty cache")
         prefill = sum(len(s.token_ids) - s.kv_len for s in sch.running if s.admitted_step == self._step)
         self.runner.execute(sch.running, self._step)
-        cache_computed = getattr(self.manager, "cache_computed", None)
         for seq in list(sch.running):
-            if cache_computed is not None:
-                cache_computed(seq)
+            self.manager.cache_computed(seq)
             if seq.pending_forks:
                 self._fork_samples(seq)
         done = sch.retire_finished(self._step)
@@ -287,7 +281,8 @@ class Engine:
         sch = self.scheduler
         for seq in done:
             seq.finished_s = now - seq.added_at
-        free = getattr(getattr(sch.manager, "allocator", None), "num_free", -1)
+        free = sch.manager.num_free_blocks
+        free = -1 if free is None else free
         br = sch.manager.breakdown()
         self.stats.append(
             StepStats(
@@ -354,7 +349,7 @@ class Engine:
                 f"a prompt of {len(prompt_ids)} tokens plus {max_new_tokens} new ones exceeds the model's "
                 f"{self.w.max_positions} positions"
             )
-        if not _can_fork(self.manager):
+        if not self.manager.can_fork:
             raise ValueError(
                 f"beam search shares blocks between beams by forking, and this cache's memory manager "
                 f"({type(self.manager).__name__}) cannot fork: use a SharingBlockManager (lesson 05)"
@@ -375,7 +370,7 @@ class Engine:
                     mgr.append_slot(seq)
                 logp = torch.log_softmax(self.runner.logits([s for s, _ in beams]).float(), dim=-1).cpu()
                 for seq, _ in beams:
-                    mgr.cache_computed(seq) if hasattr(mgr, "cache_computed") else None
+                    mgr.cache_computed(seq)
                 total = torch.tensor([sc for _, sc in beams])[:, None] + logp
                 order = torch.argsort(-total.flatten(), stable=True)[:beam_width].tolist()
                 vocab = logp.shape[1]
@@ -412,5 +407,5 @@ class Engine:
         best = max(beams, key=lambda b: b[1])[0]  # max keeps the first of equal scores
         return best.output_ids, {
             "saving": 1 - physical / logical if logical else 0.0,
-            "cow": getattr(mgr, "num_cow", 0),
+            "cow": mgr.num_cow,
         }

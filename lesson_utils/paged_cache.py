@@ -85,14 +85,12 @@ class PagedKVCache:
         return 2 * len(self.k_cache) * k[0].numel() * k.element_size()
 
     def prepare(self, batch: StepBatch) -> None:
-        make_writable = getattr(self.manager, "make_writable", None)  # lesson 05: copy-on-write
         tables = []
         for sid, qlen, clen in zip(batch.seq_ids, batch.query_lens, batch.context_lens):
             table = self.manager.ensure_capacity(sid, clen)
-            if make_writable is not None:
-                make_writable(sid, clen - qlen, clen)
+            self.manager.make_writable(sid, clen - qlen, clen)  # lesson 05: copy-on-write (a no-op unshared)
             tables.append(table.blocks)
-        for src, dst in getattr(self.manager, "pop_copies", list)():
+        for src, dst in self.manager.pop_copies():
             self.copy_block(src, dst)
         batch.meta = AttentionMetadata(
             self._slot_mapping(batch, tables, self.block_size),

@@ -83,6 +83,11 @@ class ContiguousReservationManager:
         self.reserved: dict[int, int] = {}
         self.seqs: dict[int, Sequence] = {}
 
+    watermark_blocks = 0  # no blocks
+    can_fork = False
+    num_cow = 0
+    num_free_blocks = None  # slots, not blocks: see breakdown()
+
     @property
     def name(self) -> str:
         return {"max": "Orca (Max)", "pow2": "Orca (Pow2)", "oracle": "Orca (Oracle)"}[self.policy]

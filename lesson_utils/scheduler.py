@@ -73,9 +73,27 @@ class Sequence:
 
 
 class MemoryManager(Protocol):
-    """What the scheduler asks of a KV memory manager (contiguous in lesson 02, paged in lesson 03)."""
+    """What the scheduler, the engine and the simulator ask of a KV memory manager (contiguous in lesson 02,
+    paged in lesson 03, sharing in lesson 05). Every manager has every member: one that has nothing to do
+    for a hook does nothing (no ``getattr`` probing by its callers)."""
 
     total_slots: int
+    name: str
+    watermark_blocks: int  # free blocks kept back from admission (0 where there are no blocks)
+    can_fork: bool  # True where sequences can share blocks (fork for parallel sampling and beam search)
+
+    @property
+    def num_free_blocks(self) -> int | None:
+        """Free blocks now; None for a manager without blocks (contiguous reservations)."""
+
+    def cache_computed(self, seq: Sequence) -> None:
+        """After a forward pass: register ``seq``'s full, computed blocks in the prefix cache (if any)."""
+
+    def external_fragmentation(self) -> float:
+        """How scattered free memory is (nan where it cannot be: paged memory has no holes)."""
+
+    def slot_kinds(self):
+        """Every slot's kind, for memory maps (a numpy array), or None where not recorded."""
 
     def check_admissible(self, seq: Sequence) -> None:
         """Raise ``NeverFits`` if ``seq`` could not run even in an empty cache."""
@@ -192,7 +210,7 @@ class FCFSScheduler:
         self._step = step
         self.swap_in_copies, self.swap_out_copies = [], []
         moved: dict[int, int] = {}
-        watermark = getattr(self.manager, "watermark_blocks", 0)
+        watermark = self.manager.watermark_blocks
         # a running sequence feeds one token; one swapped out before its prefill ran feeds all it has not computed
         budget = None if self.max_num_batched_tokens is None else self.max_num_batched_tokens - len(self.running)
         while self.swapped and self._room_for_another():

@@ -68,6 +68,7 @@ def prefix_hits(pool: BlockPool, tokens: list[int], block_size: int, hash_fn: Ca
 
 class SharingBlockManager(BlockManager):
     name = "PagedAttention + sharing"
+    can_fork = True
 
     def __init__(
         self,
@@ -110,6 +111,12 @@ class SharingBlockManager(BlockManager):
             if copy is not None:
                 self._copies.append(copy)
                 self.num_cow += 1
+
+    def pending_copies(self) -> list[tuple[int, int]]:
+        return list(self._copies)
+
+    def forget_prefix(self, seq_id: int) -> None:
+        self._hashes.pop(seq_id, None)
 
     def pop_copies(self) -> list[tuple[int, int]]:
         """Block copies ``(src, dst)`` that must happen on the cache tensors before this step's writes."""

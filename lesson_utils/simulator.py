@@ -116,7 +116,7 @@ def simulate(
     if progress:
         from tqdm.auto import tqdm
 
-        bar = tqdm(total=len(pending), desc=f"simulating {getattr(manager, 'name', 'cache')}", unit="req", leave=False)
+        bar = tqdm(total=len(pending), desc=f"simulating {manager.name}", unit="req", leave=False)
 
     step, nxt = 0, 0
     while nxt < len(pending) or scheduler.has_work:
@@ -133,10 +133,8 @@ def simulate(
             )
         scheduler.reserve_next_slots()
         runner.execute(scheduler.running, step)
-        cache_computed = getattr(scheduler.manager, "cache_computed", None)
-        if cache_computed is not None:  # lesson 05: register full, computed blocks in the prefix cache
-            for seq in scheduler.running:
-                cache_computed(seq)
+        for seq in scheduler.running:  # lesson 05: register full, computed blocks in the prefix cache
+            scheduler.manager.cache_computed(seq)
 
         br = scheduler.manager.breakdown()
         rec_steps.append(step)
@@ -144,10 +142,11 @@ def simulate(
         rec_waiting.append(len(scheduler.waiting))
         for k in KINDS:
             rec_kinds[k].append(br[k])
-        frag = getattr(scheduler.manager, "external_fragmentation", None)
-        rec_frag.append(frag() if frag else float("nan"))
-        if map_every and step % map_every == 0 and hasattr(scheduler.manager, "slot_kinds"):
-            maps.append((step, scheduler.manager.slot_kinds()[::stride][:map_columns].copy()))
+        rec_frag.append(scheduler.manager.external_fragmentation())
+        if map_every and step % map_every == 0:
+            kinds = scheduler.manager.slot_kinds()
+            if kinds is not None:
+                maps.append((step, kinds[::stride][:map_columns].copy()))
 
         done = scheduler.retire_finished(step)
         if bar is not None and done:
@@ -159,7 +158,7 @@ def simulate(
         bar.close()
 
     return SimResult(
-        manager_name=getattr(manager, "name", type(manager).__name__),
+        manager_name=manager.name,
         total_slots=manager.total_slots,
         step_time_s=step_time_s,
         steps=np.array(rec_steps),

@@ -82,13 +82,12 @@ class SwapSpace:
         """Move a sequence's table to the CPU; returns the (gpu, cpu) copies to make. GPU blocks are released
         (a block still held by another sequence stays on the GPU for it)."""
         table = manager.tables.pop(seq_id)
-        hashes = getattr(manager, "_hashes", {})
-        hashes.pop(seq_id, None)
+        manager.forget_prefix(seq_id)
         fresh = len(already)
         cpu_blocks, copies = self._mapping(table.blocks, self.pool.allocate, already)
         # a block the victim copied-on-write this step is filled only in the forward, after the swap copies:
         # copy its contents from the copy's source (still held by another table) instead
-        pending = {dst: src for src, dst in getattr(manager, "_copies", [])}
+        pending = {dst: src for src, dst in manager.pending_copies()}
         copies = [(pending.get(gpu, gpu), cpu) for gpu, cpu in copies]
         # every CPU block gets one reference per table holding it (new ones were allocated with count 1)
         counted: set[int] = {cpu for _, cpu in copies}
