@@ -130,6 +130,25 @@ def reset_for_recompute(seq: Sequence) -> None:
 
 
 @dataclass
+class StepPlan:
+    """What one step will do, decided by the scheduler before the model runs (:meth:`FCFSScheduler.schedule`).
+
+    ``scheduled``: the sequences that run this step (each has room for its next token); ``admitted``: those
+    new to the cache this step (they prefill); ``preempted``: those pushed out to make room; ``swap_in`` and
+    ``swap_out``: the block copies to make before the forward pass, ``(cpu, gpu)`` and ``(gpu, cpu)`` pairs,
+    swap-ins first (a CPU block read in may be reused by a swap-out of the same step).
+    """
+
+    step: int
+    scheduled: list[Sequence]
+    admitted: list[Sequence]
+    preempted: list[Sequence]
+    swap_in: list[tuple[int, int]]
+    swap_out: list[tuple[int, int]]
+    prefill_tokens: int = 0  # tokens fed this step for sequences (re)admitted this step
+
+
+@dataclass
 class PreemptionEvent:
     step: int
     seq_id: int
@@ -155,7 +174,8 @@ class FCFSScheduler:
     * ``"swap"``: its blocks are copied to the CPU ``swap_space`` and freed on the GPU; it waits in the
       swapped queue. If the swap space cannot hold it, it is recomputed instead and the event says so.
 
-    The copies the engine must make this step are in ``swap_in_copies`` and ``swap_out_copies``.
+    :meth:`schedule` runs both phases (:meth:`admit`, then :meth:`reserve_next_slots`) and returns the step's
+    :class:`StepPlan`, with the block copies the engine must make.
     """
 
     def __init__(
@@ -190,8 +210,8 @@ class FCFSScheduler:
         self.swapped: deque[Sequence] = deque()
         self.finished: list[Sequence] = []
         self.events: list[PreemptionEvent] = []
-        self.swap_in_copies: list[tuple[int, int]] = []
-        self.swap_out_copies: list[tuple[int, int]] = []
+        self._swap_in: list[tuple[int, int]] = []  # this step's copies, handed over in its StepPlan
+        self._swap_out: list[tuple[int, int]] = []
         self._step = 0
 
     @property
@@ -205,10 +225,23 @@ class FCFSScheduler:
     def _room_for_another(self) -> bool:
         return self.max_num_seqs is None or len(self.running) < self.max_num_seqs
 
+    def schedule(self, step: int) -> StepPlan:
+        """One step's decisions: admit (swapped sequences first), then make room for every running sequence's
+        next token, preempting if memory is short. Raises ``RuntimeError`` when nothing can run although
+        requests wait: the head request does not fit even into an empty cache."""
+        admitted = self.admit(step)
+        if not self.running and (self.waiting or self.swapped):
+            raise RuntimeError(
+                "nothing is running and the head request still does not fit: the cache is too small for it even when empty"
+            )
+        preempted = self.reserve_next_slots()
+        prefill = sum(s.len - s.kv_len for s in self.running if s.admitted_step == step)
+        return StepPlan(step, list(self.running), admitted, preempted, self._swap_in, self._swap_out, prefill)
+
     def admit(self, step: int) -> list[Sequence]:
         """Swap in, then admit what fits; returns the newly admitted (prefilling) sequences."""
         self._step = step
-        self.swap_in_copies, self.swap_out_copies = [], []
+        self._swap_in, self._swap_out = [], []
         moved: dict[int, int] = {}
         watermark = self.manager.watermark_blocks
         # a running sequence feeds one token; one swapped out before its prefill ran feeds all it has not computed
@@ -219,7 +252,7 @@ class FCFSScheduler:
                 break
             if not self.swap_space.can_swap_in(self.manager, seq.seq_id, watermark if self.running else 0):
                 break
-            self.swap_in_copies += self.swap_space.swap_in(self.manager, seq.seq_id, moved)
+            self._swap_in += self.swap_space.swap_in(self.manager, seq.seq_id, moved)
             self.swapped.popleft()
             seq.admitted_step = step
             self.running.append(seq)
@@ -266,7 +299,7 @@ class FCFSScheduler:
     def _preempt(self, victim: Sequence, moved: dict[int, int]) -> None:
         if self.preemption_mode == "swap":
             if self.swap_space.can_swap_out(self.manager, victim.seq_id, moved):
-                self.swap_out_copies += self.swap_space.swap_out(self.manager, victim.seq_id, moved)
+                self._swap_out += self.swap_space.swap_out(self.manager, victim.seq_id, moved)
                 victim.preemptions += 1
                 self.swapped.append(victim)
                 self.events.append(PreemptionEvent(self._step, victim.seq_id, "swap"))

@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from functools import partial
 
 import numpy as np
 
 from .scheduler import FCFSScheduler, MemoryManager, Sequence
+from .step import serve_step
 from .workloads import Request
 
 KINDS = ("token states", "reserved", "internal fragmentation", "free")
@@ -27,6 +29,9 @@ class AccountingRunner:
 
     The scheduler has already made room for that token (``reserve_next_slots``).
     """
+
+    def apply(self, plan) -> None:
+        """Block copies: no K/V here, nothing to copy."""
 
     def execute(self, running: list[Sequence], step: int) -> None:
         for seq in running:
@@ -118,24 +123,7 @@ def simulate(
 
         bar = tqdm(total=len(pending), desc=f"simulating {manager.name}", unit="req", leave=False)
 
-    step, nxt = 0, 0
-    while nxt < len(pending) or scheduler.has_work:
-        if not scheduler.has_work and arrival_step[nxt] > step:
-            step = arrival_step[nxt]  # idle: jump to the next arrival
-        while nxt < len(pending) and arrival_step[nxt] <= step:
-            scheduler.add(Sequence(pending[nxt]))
-            nxt += 1
-        scheduler.admit(step)
-        if not scheduler.running and (scheduler.waiting or scheduler.swapped):
-            raise RuntimeError(
-                "nothing is running and the head request still does not fit: the cache is too small "
-                "for it even when empty"
-            )
-        scheduler.reserve_next_slots()
-        runner.execute(scheduler.running, step)
-        for seq in scheduler.running:  # lesson 05: register full, computed blocks in the prefix cache
-            scheduler.manager.cache_computed(seq)
-
+    def record(step: int) -> None:  # memory after the step's tokens are in, before finished sequences leave
         br = scheduler.manager.breakdown()
         rec_steps.append(step)
         rec_running.append(len(scheduler.running))
@@ -148,7 +136,15 @@ def simulate(
             if kinds is not None:
                 maps.append((step, kinds[::stride][:map_columns].copy()))
 
-        done = scheduler.retire_finished(step)
+    step, nxt = 0, 0
+    while nxt < len(pending) or scheduler.has_work:
+        if not scheduler.has_work and arrival_step[nxt] > step:
+            step = arrival_step[nxt]  # idle: jump to the next arrival
+        while nxt < len(pending) and arrival_step[nxt] <= step:
+            scheduler.add(Sequence(pending[nxt]))
+            nxt += 1
+
+        _, done = serve_step(scheduler, runner, step, after_run=partial(record, step))
         if bar is not None and done:
             bar.update(len(done))
         step += 1

@@ -475,16 +475,19 @@ class CheckingRunner(simulator.AccountingRunner):
             return ("own", seq.seq_id, p)
         return ("prompt", tuple(prompt[: p + 1])) if p < len(prompt) else ("generated", seq.seq_id, p)
 
-    def _shadow_step(self, running, step):
-        sch, m = self.sch, self.sch.manager
-        bs = m.block_size
-        for c, g in sch.swap_in_copies:
+    def apply(self, plan):  # the plan's swap copies, in the engine's order: swap-ins, then swap-outs
+        bs = self.sch.manager.block_size
+        for c, g in plan.swap_in:
             for o in range(bs):
                 self.gpu[g, o] = self.cpu.get((c, o))
-        for g, c in sch.swap_out_copies:
+        for g, c in plan.swap_out:
             for o in range(bs):
                 self.cpu[c, o] = self.gpu.get((g, o))
-        for src, dst in getattr(m, "pop_copies", list)():
+
+    def _shadow_step(self, running, step):
+        m = self.sch.manager
+        bs = m.block_size
+        for src, dst in m.pop_copies():
             for o in range(bs):
                 self.gpu[dst, o] = self.gpu.get((src, o))
         for s in running:
@@ -838,9 +841,9 @@ def _drive(sch: CheckedScheduler, arrivals: dict[int, list[Sequence]], steps: in
         for s in arrivals.get(step, []):
             sch.add(s)
         free, ins, adm = sch.manager.allocator.num_free, len(sch.swap_ins), len(sch.admissions)
-        sch.admit(step)
+        plan = sch.schedule(step)
         entry = dict(step=step, free_before=free, back=sch.swap_ins[ins:], admitted=sch.admissions[adm:])
-        sch.reserve_next_slots()
+        runner.apply(plan)
         runner.execute(sch.running, step)
         entry.update(
             running=[s.seq_id for s in sch.running],
