@@ -30,7 +30,7 @@ def tied(tiny):
 
 def test_thresholds_are_stated_per_dtype():
     assert identity.near_tie_threshold(torch.float32) == 1e-4
-    assert identity.near_tie_threshold(torch.float16) == 0.1
+    assert identity.near_tie_threshold(torch.float16) == 0.25
     with pytest.raises(ValueError, match="no near-tie threshold"):
         identity.near_tie_threshold(torch.int8)
 
@@ -91,8 +91,8 @@ def test_compare_with_hf_runs_hf_itself(tiny):
 
 
 def test_fp16_threshold_is_far_above_this_forward_s_own_rounding(tiny):
-    """In fp16 on this CPU the course's forward and HF's differ by far less than the fp16 threshold (random
-    weights: logits are small; a real OPT-125m's are ~10x larger, which the threshold leaves room for)."""
+    """In fp16 on this CPU the course's forward and HF's differ by far less than the fp16 threshold (the ci
+    model's logits reach about 6.5; a real OPT-125m's about 30, which the threshold leaves room for)."""
     model = copy.deepcopy(tiny[0]).half()
     w = OPTWeights.from_hf(model)
     prompt = [2] + list(range(10, 70))
