@@ -156,14 +156,13 @@ def serve_hf_static(
     from transformers import LogitsProcessorList
 
     device = next(model.parameters()).device
-    order = sorted(requests, key=lambda r: (r.arrival_s, r.req_id))
-    batches = static_batches(order, batch_size, model.config.max_position_embeddings)
+    batches = static_batches(requests, batch_size, model.config.max_position_embeddings)  # in arrival order
     outputs, ttft, tpot, running = {}, {}, {}, []
     bar = None
     if progress:
         from tqdm.auto import tqdm
 
-        bar = tqdm(total=len(order), desc="HF static batches", unit="req", leave=False)
+        bar = tqdm(total=len(requests), desc="HF static batches", unit="req", leave=False)
     start = time.perf_counter()
     for batch in batches:
         ready = max(r.arrival_s for r in batch)

@@ -65,8 +65,8 @@ def slot_mapping(batch: StepBatch, block_tables: list[list[int]], block_size: in
     """
     slots = [
         table[p // block_size] * block_size + p % block_size
-        for table, q, c in zip(block_tables, batch.query_lens, batch.context_lens)
-        for p in range(c - q, c)
+        for table, positions in zip(block_tables, batch.new_positions())
+        for p in positions
     ]
     return torch.tensor(slots, dtype=torch.long, device=batch.positions.device)
 

@@ -127,9 +127,7 @@ def slot_mapping(batch: StepBatch, region_starts: list[int]) -> torch.Tensor:
     at positions ``context_len - query_len .. context_len - 1``) and moved to the device once: reading
     ``batch.positions`` back would make the host wait for the GPU every step.
     """
-    slots = [
-        start + p for start, q, c in zip(region_starts, batch.query_lens, batch.context_lens) for p in range(c - q, c)
-    ]
+    slots = [start + p for start, positions in zip(region_starts, batch.new_positions()) for p in positions]
     return torch.tensor(slots, dtype=torch.long, device=batch.positions.device)
 
 

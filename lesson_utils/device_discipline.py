@@ -172,8 +172,7 @@ class DeviceDiscipline(TorchFunctionMode):
 
     def __init__(self):
         super().__init__()
-        self.syncs = 0
-        self.sync_log: list[str] = []
+        self.sync_log: list[str] = []  # why each device-to-host sync happened, in order
         self.transfers: list[Transfer] = []
         self._paused = 0
 
@@ -186,8 +185,11 @@ class DeviceDiscipline(TorchFunctionMode):
         finally:
             self._paused -= 1
 
+    @property
+    def syncs(self) -> int:
+        return len(self.sync_log)
+
     def _sync(self, why: str) -> None:
-        self.syncs += 1
         self.sync_log.append(why)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -310,12 +312,9 @@ class DeviceDiscipline(TorchFunctionMode):
             self._record_move(src, place(dst), bool(kwargs.get("non_blocking", args[2] if len(args) > 2 else False)))
         return func(*args, **kwargs)
 
-    def _index_tensors(self, index) -> list[torch.Tensor]:
-        return _tensors(index)
-
     def _getitem(self, func, args, kwargs):
         src, index = args[0], args[1]
-        idx = self._index_tensors(index)
+        idx = _tensors(index)
         if place(src) == "host" and any(place(t) == "device" for t in idx):
             raise DeviceMismatch(
                 f"indexing a {_describe(src)} with a device index: on a GPU this fails ('indices should be either "
@@ -329,7 +328,7 @@ class DeviceDiscipline(TorchFunctionMode):
 
     def _setitem(self, func, args, kwargs):
         dst, index, value = args[0], args[1], args[2]
-        idx = self._index_tensors(index)
+        idx = _tensors(index)
         advanced = bool(idx)
         if place(dst) == "host" and any(place(t) == "device" for t in idx):
             raise DeviceMismatch(
@@ -394,25 +393,26 @@ def discipline():
         _active = None
 
 
+@dataclass
+class SyncCount:
+    """What :func:`count_syncs` saw: how many syncs, and why each happened."""
+
+    n: int = 0
+    why: list[str] = field(default_factory=list)
+
+
 @contextlib.contextmanager
 def count_syncs():
     """Counts the device-to-host syncs of a block (0 outside the mode): ``with count_syncs() as c: ...; c.n``."""
     mode = _active
-
-    @dataclass
-    class Count:
-        n: int = 0
-        why: list[str] = field(default_factory=list)
-
-    count = Count()
+    count = SyncCount()
     start = mode.syncs if mode else 0
-    start_log = len(mode.sync_log) if mode else 0
     try:
         yield count
     finally:
         if mode:
-            count.n = mode.syncs - start
-            count.why = mode.sync_log[start_log:]
+            count.why = mode.sync_log[start:]
+            count.n = len(count.why)
 
 
 @contextlib.contextmanager

@@ -37,8 +37,6 @@ def check_token_ids(ids, vocab_size: int, what: str = "prompt") -> list[int]:
     """``ids`` as a list of ints, or a clear error: a list (or tuple) of ints or a 1-D integer tensor, each id in
     ``0 .. vocab_size - 1``, at least one. Checked at the door: an id outside the vocabulary would otherwise
     fail in the embedding of every later step (on a GPU: a device-side assert that breaks the process)."""
-    import torch
-
     if isinstance(ids, torch.Tensor):
         if ids.dim() != 1 or ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
             raise TypeError(
@@ -86,13 +84,10 @@ class ModelRunner:
             seq.kv_len = len(seq.token_ids)
         return out
 
-    @staticmethod
-    def sample(seq: Sequence, logits: torch.Tensor) -> int:
-        """One sequence's next token from its logits row (a device-to-host sync: :meth:`next_tokens` batches it)."""
-        if seq.temperature <= 0:
-            return int(torch.argmax(logits))
-        probs = torch.softmax(logits.float() / seq.temperature, dim=-1).cpu()
-        return int(torch.multinomial(probs, 1, generator=seq.generator))
+    @classmethod
+    def sample(cls, seq: Sequence, logits: torch.Tensor) -> int:
+        """One sequence's next token from its logits row (a forked sample's first token)."""
+        return cls.next_tokens([seq], logits[None])[0]
 
     @staticmethod
     def next_tokens(seqs: list[Sequence], logits: torch.Tensor) -> list[int]:

@@ -77,6 +77,10 @@ class StepBatch:
     def num_tokens(self) -> int:
         return int(sum(self.query_lens))
 
+    def new_positions(self) -> list[range]:
+        """Each sequence's new-token positions, from the host-side lengths: no read-back of ``positions``."""
+        return [range(c - q, c) for q, c in zip(self.query_lens, self.context_lens)]
+
     @classmethod
     def build(cls, seq_ids, new_tokens, context_before, device="cpu") -> "StepBatch":
         """Make a step from each sequence's new token ids and how many tokens it already had cached."""

@@ -11,8 +11,8 @@ It returns a :class:`CheckResult` whose ``use`` is the learner's implementation 
 reference otherwise, so the rest of a notebook runs either way ("Run all" never crashes on an unsolved
 exercise). A check cell binds it to a name of its own, ``use_NAME = checks.check_NAME(NAME).use``, never to
 the exercise's name: rebinding ``NAME`` would put the reference under the learner's name, and running the
-check cell again would then check (and pass) the reference. With ``COURSE_STRICT=1`` (set when CI or the instructor executes the solutions) a failure or
-an unsolved exercise raises :class:`ExerciseFailed` instead.
+check cell again would then check (and pass) the reference. With ``COURSE_STRICT=1`` (set when CI or the
+instructor executes the solutions) a failure or an unsolved exercise raises :class:`ExerciseFailed` instead.
 """
 
 from __future__ import annotations
