@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from .workloads import Request
+from lesson_utils.types import Request
 
 
 @dataclass

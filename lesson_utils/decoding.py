@@ -18,8 +18,9 @@ from typing import Callable
 
 import torch
 
-from .kv_cache import DenseKVCache, StepBatch
-from .opt_forward import OPTWeights, forward
+from lesson_utils.cache.dense import DenseKVCache
+from lesson_utils.cache.seam import StepBatch
+from lesson_utils.model.opt_forward import OPTWeights, forward
 
 
 class Stepper:

@@ -11,7 +11,7 @@ unset it is ``gpu`` when CUDA is available, ``ci`` when the ``CI`` variable is s
 
 Importing this module sets ``TRITON_INTERPRET=1`` unless the profile is ``gpu`` (a ``cpu`` or ``ci`` run on a
 GPU machine has CPU tensors, which compiled kernels cannot read), because Triton reads that variable when a
-kernel is *defined*: it must be set before ``lesson_utils.kernels`` is imported.
+kernel is *defined*: it must be set before ``lesson_utils.kernels.paged_attention`` is imported.
 
 With ``COURSE_DEVICE_DISCIPLINE=1`` (CI) the profile's device is ``cpu:0`` and importing this module turns on
 :mod:`lesson_utils.device_discipline`, which makes a CPU run fail where a GPU run would (tensors made on the
@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
-from . import device_discipline
+from lesson_utils import device_discipline
 
 PROFILES = ("gpu", "cpu", "ci")
 
@@ -80,7 +80,7 @@ def _set_triton_mode() -> None:
         name = _choose_profile()
     except (ValueError, RuntimeError):  # a bad COURSE_PROFILE: get_profile() raises it where it is asked for
         return
-    if interpreter_wanted(name):  # an explicit TRITON_INTERPRET=0 is kept: lesson_utils.aot compiles that way
+    if interpreter_wanted(name):  # an explicit TRITON_INTERPRET=0 is kept: lesson_utils.kernels.aot compiles that way
         os.environ.setdefault("TRITON_INTERPRET", "1")
 
 

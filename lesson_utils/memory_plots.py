@@ -6,8 +6,9 @@ import numpy as np
 from matplotlib.colors import ListedColormap
 from matplotlib.patches import Patch
 
+from lesson_utils.types import KIND_NAMES
+
 from .plotting import COLORS
-from .reservation import KIND_NAMES
 
 KIND_COLORS = [COLORS["token states"], COLORS["reserved"], COLORS["internal fragmentation"], COLORS["free"]]
 KIND_CMAP = ListedColormap(KIND_COLORS)

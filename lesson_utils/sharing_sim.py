@@ -2,7 +2,7 @@
 
 Saving is the paper's definition: blocks saved by sharing / blocks needed without sharing, here summed over
 every decode step of every request (a time average). Each request runs alone through a
-:class:`~lesson_utils.sharing.SharingBlockManager` - the same fork and copy-on-write code the engine uses:
+:class:`~lesson_utils.memory.sharing.SharingBlockManager` - the same fork and copy-on-write code the engine uses:
 
 * **parallel sampling**: the prompt is prefilled once, then ``n - 1`` siblings fork from it; every sample
   generates the request's output length (our assumption: the paper's samples have their own lengths);
@@ -17,10 +17,9 @@ from dataclasses import replace
 
 import numpy as np
 
-from .block_table import blocks_needed
-from .scheduler import Sequence
-from .sharing import SharingBlockManager
-from .workloads import Request
+from lesson_utils.memory.block_table import blocks_needed
+from lesson_utils.memory.sharing import SharingBlockManager
+from lesson_utils.types import Request, Sequence
 
 
 def _manager(r: Request, width: int, block_size: int) -> SharingBlockManager:

@@ -14,13 +14,19 @@ The spreads (``sigma``) are our assumption: the paper publishes means, not shape
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from functools import lru_cache
 
 import numpy as np
 
+from lesson_utils.types import Request
+
 MIN_LEN = 4
+
+
 MAX_PROMPT = 1024
+
+
 MAX_TOTAL = 2048
 
 
@@ -36,28 +42,9 @@ class LengthProfile:
 
 
 SHAREGPT = LengthProfile("ShareGPT", prompt_mean=161.31, output_mean=337.99, prompt_sigma=1.0, output_sigma=0.9)
+
+
 ALPACA = LengthProfile("Alpaca", prompt_mean=19.31, output_mean=58.45, prompt_sigma=0.6, output_sigma=0.8)
-
-
-@dataclass
-class Request:
-    """One request: when it arrives, how long its prompt is, how many tokens it will generate.
-
-    ``prompt_ids`` is filled only for runs through a real model; ``shared_prefix_len`` counts the leading
-    prompt tokens shared with other requests (a system prompt), 0 when none.
-    """
-
-    req_id: int
-    arrival_s: float
-    prompt_len: int
-    output_len: int
-    prompt_ids: list[int] | None = None
-    shared_prefix_len: int = 0
-    tags: dict = field(default_factory=dict)
-
-    @property
-    def total_len(self) -> int:
-        return self.prompt_len + self.output_len
 
 
 def _keep(prompt: np.ndarray, output: np.ndarray) -> np.ndarray:

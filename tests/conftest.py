@@ -23,8 +23,8 @@ def tiny():
     """The ci profile's tiny random OPT (2 layers, hidden 64, vocab 320, 512 positions) and its weights,
     as ``(hf_model, OPTWeights)``: loaded once per test process (each xdist worker has its own)."""
     from lesson_utils.env import Profile
-    from lesson_utils.model import load_model
-    from lesson_utils.opt_forward import OPTWeights
+    from lesson_utils.model.loading import load_model
+    from lesson_utils.model.opt_forward import OPTWeights
 
     lm = load_model(profile=Profile(name="ci", device="cpu", device_name="test"))
     return lm.model, OPTWeights.from_hf(lm.model)

@@ -74,7 +74,7 @@ def rejected(result, *needles) -> bool:
 def random_step(gen, seq_ids, lens_before, *, prompt_most: int = 20, then_most: int = 4):
     """A StepBatch of random token ids: 1 to ``prompt_most - 1`` tokens for a sequence with nothing cached
     yet (its prompt), 1 to ``then_most - 1`` for one already cached (one token: a decode)."""
-    from lesson_utils.kv_cache import StepBatch
+    from lesson_utils.cache.seam import StepBatch
 
     news = []
     for before in lens_before:
@@ -103,7 +103,7 @@ def assert_simulation_complete(res, requests, total_slots: int) -> None:
     every step (token states + reserved + fragmentation + free == the whole cache)."""
     import numpy as np
 
-    from lesson_utils import simulator
+    from lesson_utils.serving import simulator
 
     assert len(res.finished) == len(requests)
     assert sorted(s.seq_id for s in res.finished) == sorted(r.req_id for r in requests)

@@ -1,4 +1,4 @@
-"""lesson_utils.build on small synthetic lessons in a temporary repository (no real lessons needed)."""
+"""course_tools.build on small synthetic lessons in a temporary repository (no real lessons needed)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from lesson_utils import build
+from course_tools import build
 
 REPO = "someone/pa-course"
 
@@ -60,8 +60,8 @@ def _write(path: Path, nb) -> None:
 
 @pytest.fixture
 def repo(tmp_path: Path) -> Path:
-    (tmp_path / "lesson_utils").mkdir()
-    (tmp_path / "lesson_utils" / "course.toml").write_text(
+    (tmp_path / "course_tools").mkdir()
+    (tmp_path / "course_tools" / "course.toml").write_text(
         f'# where the course lives\nrepo = "{REPO}"\nref = "main"\npackage = "pagedattention-course"\n'
     )
     _write(tmp_path / "solutions" / "01_kv_cache.ipynb", _lesson())
@@ -239,7 +239,7 @@ def test_colab_links_drop_the_number_from_the_title(repo: Path):
 def test_retarget_with_repo_and_ref(repo: Path):
     assert build.main(["--root", str(repo)]) == 0
     assert build.main(["--root", str(repo), "--repo", "fork/course2", "--ref", "v1.0"]) == 0
-    toml = (repo / "lesson_utils" / "course.toml").read_text()
+    toml = (repo / "course_tools" / "course.toml").read_text()
     assert 'repo = "fork/course2"' in toml and 'ref = "v1.0"' in toml and "# where the course lives" in toml
     assert build.load_course(repo) == build.Course("fork/course2", "v1.0", "pagedattention-course")
     for folder in ("solutions", "notebooks"):
@@ -280,7 +280,7 @@ def test_check_fails_after_editing_a_solution_without_rebuilding(repo: Path, cap
     assert "notebooks/01_kv_cache.ipynb: differs" in out
     assert "solutions/01_kv_cache.ipynb" not in out
     assert "kv_bytes_per_token_v2" in out  # the first diff hunk is shown
-    assert "python -m lesson_utils.build" in out
+    assert "python -m course_tools.build" in out
     build.build(repo, quiet=True)
     assert build.check(repo) == []
 

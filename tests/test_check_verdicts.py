@@ -16,7 +16,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from lesson_utils import run_all
+from course_tools import run_all
 
 ROOT = Path(__file__).resolve().parents[1]
 STUDENTS = sorted((ROOT / "notebooks").glob(run_all.LESSON_GLOB))

@@ -8,9 +8,12 @@ import pytest
 import torch
 from helpers import merge_unchecked, rejected
 
-from lesson_utils import contiguous, decoding, kv_math
-from lesson_utils import reservation as R
+from lesson_utils import decoding, kv_math
+from lesson_utils.cache import attention, paged
+from lesson_utils.cache import contiguous as contiguous_cache
 from lesson_utils.checks import ExerciseFailed, lesson00, lesson01, lesson02
+from lesson_utils.memory import contiguous
+from lesson_utils.memory import reservation as R
 
 pytestmark = pytest.mark.usefixtures("not_strict")
 
@@ -73,8 +76,8 @@ def test_opt125m_is_36_kib():
 @pytest.fixture(scope="module")
 def tiny_weights():
     from lesson_utils.env import Profile
-    from lesson_utils.model import load_model
-    from lesson_utils.opt_forward import OPTWeights
+    from lesson_utils.model.loading import load_model
+    from lesson_utils.model.opt_forward import OPTWeights
 
     loaded = load_model(profile=Profile(name="ci", device="cpu", device_name="test"))
     return OPTWeights.from_hf(loaded.model)
@@ -156,7 +159,7 @@ def test_release_checker():
 
 
 def test_slot_mapping_checker():
-    assert lesson01.check_slot_mapping(contiguous.slot_mapping).passed
+    assert lesson01.check_slot_mapping(contiguous_cache.slot_mapping).passed
 
     def no_region_start(batch, starts):
         return batch.positions.clone()
@@ -207,7 +210,8 @@ def test_external_fragmentation_checker():
 def test_classify_matches_manager_breakdown():
     """The exercise's classification and the simulator's counts agree on a live manager."""
     from lesson_utils import workloads
-    from lesson_utils.scheduler import FCFSScheduler, Sequence
+    from lesson_utils.serving.scheduler import FCFSScheduler
+    from lesson_utils.types import Sequence
 
     m = R.ContiguousReservationManager(4096, "pow2", max_seq_len=512)
     s = FCFSScheduler(m)
@@ -225,9 +229,9 @@ def test_classify_matches_manager_breakdown():
 
 # ---- lesson 03 ------------------------------------------------------------------------------------
 
-from lesson_utils import block_table as bt  # noqa: E402
-from lesson_utils.block_allocator import BlockAllocator  # noqa: E402
 from lesson_utils.checks import lesson03  # noqa: E402
+from lesson_utils.memory import block_table as bt  # noqa: E402
+from lesson_utils.memory.block_allocator import BlockAllocator  # noqa: E402
 
 
 def test_block_allocator_checker():
@@ -259,7 +263,7 @@ def test_block_allocator_checker():
     class HandsOutHeldBlocks(BlockAllocator):
         def allocate(self):
             if not self._free_queue:
-                from lesson_utils.block_allocator import OutOfBlocks
+                from lesson_utils.types import OutOfBlocks
 
                 raise OutOfBlocks("empty")
             return self._free_queue[0]  # forgets to remove it
@@ -291,7 +295,7 @@ def test_grow_block_table_checker():
 
 
 def test_paged_slot_mapping_checker():
-    assert lesson03.check_slot_mapping(bt.slot_mapping).passed
+    assert lesson03.check_slot_mapping(paged.slot_mapping).passed
 
     def positions_only(batch, tables, bs):
         return batch.positions.clone()
@@ -320,13 +324,13 @@ def test_paged_slot_mapping_checker():
 
 
 def test_gather_kv_checker():
-    assert lesson03.check_gather_kv(bt.gather_kv).passed
+    assert lesson03.check_gather_kv(attention.gather_kv).passed
 
     def no_truncation(cache, table, ctx):
         return cache[torch.tensor(table)].reshape(-1, cache.shape[2], cache.shape[3])
 
     def sorted_blocks(cache, table, ctx):
-        return bt.gather_kv(cache, sorted(table), ctx)
+        return attention.gather_kv(cache, sorted(table), ctx)
 
     def ignores_table(cache, table, ctx):
         return cache[: len(table)].reshape(-1, cache.shape[2], cache.shape[3])[:ctx]

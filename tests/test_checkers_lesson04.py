@@ -8,8 +8,8 @@ import triton
 import triton.language as tl
 from helpers import rejected
 
-from lesson_utils import kernels as K
 from lesson_utils.checks import lesson04
+from lesson_utils.kernels import paged_attention as K
 
 pytestmark = pytest.mark.usefixtures("not_strict")
 

@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 from helpers import rejected
 
-from lesson_utils import sharing
-from lesson_utils.block_pool import NO_PARENT
-from lesson_utils.block_table import BlockTable
 from lesson_utils.checks import lesson05
+from lesson_utils.memory import sharing
+from lesson_utils.memory.block_pool import NO_PARENT
+from lesson_utils.memory.block_table import BlockTable
 
 pytestmark = pytest.mark.usefixtures("not_strict")
 

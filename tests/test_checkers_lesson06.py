@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 from helpers import rejected
 
-from lesson_utils import scheduler as S
-from lesson_utils import swap
 from lesson_utils.checks import lesson06
+from lesson_utils.memory import swap
+from lesson_utils.serving import scheduler as S
 
 pytestmark = pytest.mark.usefixtures("not_strict")
 

@@ -6,7 +6,7 @@ import pytest
 from helpers import rejected
 
 from lesson_utils.checks import lesson07
-from lesson_utils.engine import default_step
+from lesson_utils.serving.engine import default_step
 
 pytestmark = pytest.mark.usefixtures("not_strict")
 
@@ -14,8 +14,8 @@ pytestmark = pytest.mark.usefixtures("not_strict")
 @pytest.fixture(scope="module")
 def w():
     from lesson_utils.env import Profile
-    from lesson_utils.model import load_model
-    from lesson_utils.opt_forward import OPTWeights
+    from lesson_utils.model.loading import load_model
+    from lesson_utils.model.opt_forward import OPTWeights
 
     return OPTWeights.from_hf(load_model(profile=Profile(name="ci", device="cpu", device_name="test")).model)
 

@@ -15,13 +15,16 @@ import pytest
 import torch
 from helpers import merge_unchecked, rejected
 
-from lesson_utils import block_table as bt
-from lesson_utils import contiguous, decoding, kv_math, sharing, swap
-from lesson_utils import scheduler as S
-from lesson_utils.block_allocator import BlockAllocator
-from lesson_utils.block_table import BlockTable
+from lesson_utils import decoding, kv_math
+from lesson_utils.cache import contiguous as contiguous_cache
+from lesson_utils.cache import paged
 from lesson_utils.checks import lesson00, lesson01, lesson03, lesson05, lesson06, lesson07
-from lesson_utils.engine import default_step
+from lesson_utils.memory import block_table as bt
+from lesson_utils.memory import contiguous, sharing, swap
+from lesson_utils.memory.block_allocator import BlockAllocator
+from lesson_utils.memory.block_table import BlockTable
+from lesson_utils.serving import scheduler as S
+from lesson_utils.serving.engine import default_step
 
 pytestmark = pytest.mark.usefixtures("not_strict")
 
@@ -29,8 +32,8 @@ pytestmark = pytest.mark.usefixtures("not_strict")
 @pytest.fixture(scope="module")
 def w():
     from lesson_utils.env import Profile
-    from lesson_utils.model import load_model
-    from lesson_utils.opt_forward import OPTWeights
+    from lesson_utils.model.loading import load_model
+    from lesson_utils.model.opt_forward import OPTWeights
 
     return OPTWeights.from_hf(load_model(profile=Profile(name="ci", device="cpu", device_name="test")).model)
 
@@ -40,10 +43,10 @@ def w():
 
 def test_a_float_slot_mapping_is_rejected_for_its_dtype():
     def float_slots(batch, starts):
-        return contiguous.slot_mapping(batch, starts).float()
+        return contiguous_cache.slot_mapping(batch, starts).float()
 
     def float_paged(batch, tables, block_size):
-        return bt.slot_mapping(batch, tables, block_size).to(torch.float64)
+        return paged.slot_mapping(batch, tables, block_size).to(torch.float64)
 
     assert rejected(lesson01.check_slot_mapping(float_slots), "expected dtype torch.int64, got torch.float32")
     assert rejected(lesson03.check_slot_mapping(float_paged), "expected dtype torch.int64, got torch.float64")

@@ -9,9 +9,12 @@ from helpers import step_beside_dense
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from lesson_utils import contiguous
-from lesson_utils.contiguous import FirstFitAllocator, NeverFits, OutOfSlots
-from lesson_utils.kv_cache import DenseKVCache, StepBatch
+from lesson_utils.cache import contiguous as contiguous_cache
+from lesson_utils.cache.dense import DenseKVCache
+from lesson_utils.cache.seam import StepBatch
+from lesson_utils.memory import contiguous
+from lesson_utils.memory.contiguous import FirstFitAllocator
+from lesson_utils.types import NeverFits, OutOfSlots
 
 
 class AllocatorMachine(RuleBasedStateMachine):
@@ -95,7 +98,7 @@ def test_contiguous_cache_matches_dense_reference():
     """Same K/V in, same attention out, step after step, for sequences of different lengths."""
     gen = torch.Generator().manual_seed(0)
     layers, heads, dim = 2, 3, 8
-    ours = contiguous.ContiguousKVCache(layers, 128, heads, dim, default_reservation=32)
+    ours = contiguous_cache.ContiguousKVCache(layers, 128, heads, dim, default_reservation=32)
     ref = DenseKVCache(layers)
     lens = {0: 0, 1: 0, 2: 0}
     for _ in range(5):
@@ -108,11 +111,11 @@ def test_contiguous_cache_matches_dense_reference():
 
 
 def test_sequence_outgrowing_its_reservation_is_an_error_not_corruption():
-    cache = contiguous.ContiguousKVCache(1, 16, 1, 4, default_reservation=4)
+    cache = contiguous_cache.ContiguousKVCache(1, 16, 1, 4, default_reservation=4)
     with pytest.raises(NeverFits, match="reserved only 4"):
         cache.prepare(StepBatch.build([0], [[1, 2, 3, 4, 5]], [0]))
 
 
 def test_slot_mapping_is_region_start_plus_position():
     b = StepBatch.build([0, 1], [[5, 6], [7]], [0, 9])
-    assert contiguous.slot_mapping(b, [100, 0]).tolist() == [100, 101, 9]
+    assert contiguous_cache.slot_mapping(b, [100, 0]).tolist() == [100, 101, 9]

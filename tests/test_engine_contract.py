@@ -7,14 +7,14 @@ import pytest
 import torch
 from helpers import hf_greedy
 
-from lesson_utils import kernels as K
-from lesson_utils.block_manager import BlockManager
-from lesson_utils.block_pool import BlockPool
-from lesson_utils.engine import Engine
-from lesson_utils.paged_cache import PagedKVCache
-from lesson_utils.scheduler import FCFSScheduler
-from lesson_utils.sharing import SharingBlockManager
-from lesson_utils.swap import SwapSpace
+from lesson_utils.cache.paged import PagedKVCache
+from lesson_utils.kernels import paged_attention as K
+from lesson_utils.memory.block_manager import BlockManager
+from lesson_utils.memory.block_pool import BlockPool
+from lesson_utils.memory.sharing import SharingBlockManager
+from lesson_utils.memory.swap import SwapSpace
+from lesson_utils.serving.engine import Engine
+from lesson_utils.serving.scheduler import FCFSScheduler
 
 GOOD = [2, 17, 99, 140]
 

@@ -35,11 +35,12 @@ import pytest
 import torch
 from helpers import MIN_MARGIN, assert_simulation_complete, hf_greedy
 
-from lesson_utils import simulator, workloads
-from lesson_utils.block_table import blocks_needed
-from lesson_utils.engine import Engine
-from lesson_utils.paged_cache import PagedKVCache
-from lesson_utils.sharing import SharingBlockManager, prefix_hits
+from lesson_utils import workloads
+from lesson_utils.cache.paged import PagedKVCache
+from lesson_utils.memory.block_table import blocks_needed
+from lesson_utils.memory.sharing import SharingBlockManager, prefix_hits
+from lesson_utils.serving import simulator
+from lesson_utils.serving.engine import Engine
 
 N_NEW = 8
 BS = 4

@@ -18,21 +18,25 @@ from helpers import hf_greedy
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lesson_utils import benchmark, contiguous
+from lesson_utils import benchmark
 from lesson_utils import device_discipline as dd
-from lesson_utils import kernels as K
-from lesson_utils.block_manager import BlockManager
+from lesson_utils.cache import attention, paged
+from lesson_utils.cache import contiguous as contiguous_cache
+from lesson_utils.cache.paged import PagedKVCache
+from lesson_utils.cache.reserved import ReservedKVCache
+from lesson_utils.cache.triton_paged import TritonPagedKVCache
 from lesson_utils.checks import lesson01, lesson03, lesson04
 from lesson_utils.device_discipline import DEVICE, DeviceMismatch, discipline
-from lesson_utils.engine import Engine
 from lesson_utils.env import Profile
-from lesson_utils.opt_forward import OPTWeights, generate_greedy
-from lesson_utils.paged_cache import PagedKVCache
-from lesson_utils.reservation import ContiguousReservationManager, ReservedKVCache
-from lesson_utils.sharing import SharingBlockManager
-from lesson_utils.swap import SwapSpace
-from lesson_utils.triton_cache import TritonPagedKVCache
-from lesson_utils.workloads import Request
+from lesson_utils.kernels import paged_attention as K
+from lesson_utils.memory import contiguous
+from lesson_utils.memory.block_manager import BlockManager
+from lesson_utils.memory.reservation import ContiguousReservationManager
+from lesson_utils.memory.sharing import SharingBlockManager
+from lesson_utils.memory.swap import SwapSpace
+from lesson_utils.model.opt_forward import OPTWeights, generate_greedy
+from lesson_utils.serving.engine import Engine
+from lesson_utils.types import Request
 
 N_NEW = 6
 
@@ -41,7 +45,7 @@ N_NEW = 6
 def on_device():
     """The ci profile's tiny OPT loaded onto the stand-in device, inside the mode (so its tensors are tagged):
     ``(hf_model, OPTWeights)``. Tests enter the mode again to use it."""
-    from lesson_utils.model import load_model
+    from lesson_utils.model.loading import load_model
 
     with discipline():
         lm = load_model(profile=Profile(name="ci", device=str(DEVICE), device_name="device discipline"))
@@ -120,25 +124,24 @@ def test_lesson01_slot_mapping_made_on_the_host_fails_its_check(not_strict):
         assert not bad.passed and "DeviceMismatch" in bad.message
         quiet = lesson01.check_slot_mapping(_host_slots_from_lists)
         assert not quiet.passed and "device=" in quiet.message
-        assert lesson01.check_slot_mapping(contiguous.slot_mapping).passed
+        assert lesson01.check_slot_mapping(contiguous_cache.slot_mapping).passed
 
 
 def test_lesson03_checks_build_their_cases_on_the_device(not_strict):
-    from lesson_utils import block_table as bt
 
     def host_slots(batch, tables, block_size):
-        return bt.slot_mapping(batch, tables, block_size).cpu()
+        return paged.slot_mapping(batch, tables, block_size).cpu()
 
     with discipline():
         assert not lesson03.check_slot_mapping(host_slots).passed
-        assert lesson03.check_slot_mapping(bt.slot_mapping).passed
-        assert lesson03.check_gather_kv(bt.gather_kv).passed
+        assert lesson03.check_slot_mapping(paged.slot_mapping).passed
+        assert lesson03.check_gather_kv(attention.gather_kv).passed
 
 
 def test_a_host_slot_mapping_crashes_the_device_cache(on_device):
     model, w = on_device
     with discipline():
-        cache = contiguous.ContiguousKVCache.for_model(
+        cache = contiguous_cache.ContiguousKVCache.for_model(
             w, 200, default_reservation=50, slot_mapping_fn=_host_slot_mapping
         )
         with pytest.raises(DeviceMismatch):
@@ -151,10 +154,12 @@ def test_a_host_slot_mapping_crashes_the_device_cache(on_device):
 def test_an_arena_on_the_host_fails_where_a_gpu_would_and_for_model_follows_the_model(on_device):
     model, w = on_device
     with discipline():
-        host_arena = contiguous.ContiguousKVCache(w.num_layers, 16, w.num_heads, w.head_dim, default_reservation=8)
+        host_arena = contiguous_cache.ContiguousKVCache(
+            w.num_layers, 16, w.num_heads, w.head_dim, default_reservation=8
+        )
         with pytest.raises(DeviceMismatch):
             generate_greedy(w, host_arena, [[2, 5, 6, 7]], 8, stop_at_eos=False)
-        tiny_arena = contiguous.ContiguousKVCache.for_model(w, 16, default_reservation=8)
+        tiny_arena = contiguous_cache.ContiguousKVCache.for_model(w, 16, default_reservation=8)
         assert tiny_arena.k.device == DEVICE and tiny_arena.k.dtype == w.dtype
         with pytest.raises(contiguous.NeverFits):  # what the lesson's cell catches
             generate_greedy(w, tiny_arena, [[2, 5, 6, 7]], 8, stop_at_eos=False)

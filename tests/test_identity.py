@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from lesson_utils import identity
-from lesson_utils.kv_cache import StepBatch
-from lesson_utils.opt_forward import OPTWeights, forward
-from lesson_utils.paged_cache import PagedKVCache
+from lesson_utils.cache.paged import PagedKVCache
+from lesson_utils.cache.seam import StepBatch
+from lesson_utils.model.opt_forward import OPTWeights, forward
 
 
 @pytest.fixture(scope="module")

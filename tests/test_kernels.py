@@ -13,7 +13,7 @@ import pytest
 import torch
 from helpers import assert_identical, hf_greedy
 
-from lesson_utils import kernels as K
+from lesson_utils.kernels import paged_attention as K
 
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3}
 
@@ -181,7 +181,7 @@ def test_write_kv_errors():
 
 @pytest.mark.slow
 def test_every_course_kernel_compiles_for_t4_and_a100():
-    from lesson_utils import aot
+    from lesson_utils.kernels import aot
 
     results = aot.compile_report()
     report = aot.format_report(results)
@@ -194,12 +194,12 @@ def test_every_course_kernel_compiles_for_t4_and_a100():
 
 def test_engine_with_triton_backend_is_token_identical_to_hf():
     """The tiny OPT under the interpreter: Triton writes K/V and attends for decode tokens."""
-    from lesson_utils.block_manager import BlockManager
-    from lesson_utils.engine import Engine
+    from lesson_utils.cache.triton_paged import TritonPagedKVCache
     from lesson_utils.env import Profile
-    from lesson_utils.model import load_model
-    from lesson_utils.opt_forward import OPTWeights
-    from lesson_utils.triton_cache import TritonPagedKVCache
+    from lesson_utils.memory.block_manager import BlockManager
+    from lesson_utils.model.loading import load_model
+    from lesson_utils.model.opt_forward import OPTWeights
+    from lesson_utils.serving.engine import Engine
 
     lm = load_model(profile=Profile(name="ci", device="cpu", device_name="test"))
     w = OPTWeights.from_hf(lm.model)

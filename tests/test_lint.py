@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PATHS = ["lesson_utils", "tests", "docs/estimates"]
+PATHS = ["lesson_utils", "course_tools", "tests", "docs/estimates"]
 
 
 @pytest.mark.parametrize("command", [["check"], ["format", "--check"]], ids=["lint", "format"])

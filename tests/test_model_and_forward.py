@@ -1,4 +1,4 @@
-"""Tests for lesson_utils.model (loading OPT) and lesson_utils.opt_forward (the cache-backed forward).
+"""Tests for lesson_utils.model.loading (loading OPT) and lesson_utils.model.opt_forward (the cache-backed forward).
 
 Numerical contract checked here: in fp32 on a CPU, ``opt_forward.forward`` through ``DenseKVCache``
 matches Hugging Face's ``OPTForCausalLM`` logits within ``ATOL = 1e-4`` (max absolute difference), and
@@ -18,11 +18,13 @@ import torch
 from helpers import assert_identical, hf_greedy
 from transformers import OPTForCausalLM
 
-from lesson_utils import model as model_mod
+from lesson_utils.cache import paged
+from lesson_utils.cache.dense import DenseKVCache
+from lesson_utils.cache.seam import StepBatch
 from lesson_utils.env import Profile
-from lesson_utils.kv_cache import DenseKVCache, StepBatch
-from lesson_utils.model import ByteTokenizer, LoadedModel, load_model, opt125m_config, tiny_opt_config
-from lesson_utils.opt_forward import OPTWeights, forward, generate_greedy
+from lesson_utils.model import loading as model_mod
+from lesson_utils.model.loading import ByteTokenizer, LoadedModel, load_model, opt125m_config, tiny_opt_config
+from lesson_utils.model.opt_forward import OPTWeights, forward, generate_greedy
 
 ATOL = 1e-4  # fp32, max |ours - HF| over all logits
 
@@ -344,14 +346,13 @@ def test_the_ci_model_notices_kv_written_to_the_wrong_block(tiny):
     """Token identity on the ci model is evidence only if its outputs depend on the K/V it reads: K/V of every
     decode token written into one wrong block must change what it generates (with OPT's default weight scale,
     this toy model's attention was so flat that 3 of 4 outputs came out unchanged)."""
-    from lesson_utils import block_table as bt
-    from lesson_utils.engine import Engine
-    from lesson_utils.paged_cache import PagedKVCache
+    from lesson_utils.cache.paged import PagedKVCache
+    from lesson_utils.serving.engine import Engine
 
     _, w = tiny
 
     def decode_kv_to_the_last_block(batch, tables, block_size):
-        slots = bt.slot_mapping(batch, tables, block_size)
+        slots = paged.slot_mapping(batch, tables, block_size)
         if all(q == 1 for q in batch.query_lens):
             slots = slots % block_size + 39 * block_size
         return slots
@@ -359,7 +360,7 @@ def test_the_ci_model_notices_kv_written_to_the_wrong_block(tiny):
     g = torch.Generator().manual_seed(1)
     prompts = [[2] + torch.randint(4, w.vocab_size, (n,), generator=g).tolist() for n in (5, 12, 20, 31)]
     outputs = []
-    for slot_fn in (bt.slot_mapping, decode_kv_to_the_last_block):
+    for slot_fn in (paged.slot_mapping, decode_kv_to_the_last_block):
         cache = PagedKVCache.for_model(w, num_blocks=40, block_size=4, slot_mapping_fn=slot_fn)
         outputs.append(Engine(w, cache, stop_at_eos=False).generate(prompts, 30))
     assert all(right != wrong for right, wrong in zip(*outputs))

@@ -20,7 +20,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from lesson_utils import build, run_all
+from course_tools import build, run_all
 
 ROOT = Path(__file__).resolve().parents[1]
 SOLUTIONS = sorted((ROOT / "solutions").glob(run_all.LESSON_GLOB))
@@ -35,7 +35,7 @@ def test_every_lesson_has_both_notebooks():
 
 def test_generated_notebooks_have_not_drifted():
     problems = build.check(ROOT)
-    assert not problems, "run `python -m lesson_utils.build`:\n" + "\n".join(map(str, problems))
+    assert not problems, "run `python -m course_tools.build`:\n" + "\n".join(map(str, problems))
 
 
 def _exercises(path: Path) -> int:
@@ -125,7 +125,7 @@ def test_results_report_lists_every_lesson(ran):
 def test_editing_a_real_lesson_without_regenerating_fails_the_check(tmp_path):
     import shutil
 
-    for folder in ("solutions", "notebooks", "lesson_utils"):
+    for folder in ("solutions", "notebooks", "course_tools"):
         shutil.copytree(ROOT / folder, tmp_path / folder, ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copy(ROOT / "colab_links.md", tmp_path / "colab_links.md")
     assert build.check(tmp_path) == []

@@ -30,29 +30,20 @@ from hypothesis import event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from lesson_utils.block_allocator import BlockAllocator, OutOfBlocks
-from lesson_utils.block_manager import BlockManager
-from lesson_utils.block_table import (
-    BlockTable,
-    blocks_needed,
-    gather_kv,
-    grow_block_table,
-    paged_attention_reference,
-    slot_mapping,
-)
-from lesson_utils.contiguous import NeverFits
-from lesson_utils.kv_cache import (
-    DenseKVCache,
-    StepBatch,
+from lesson_utils.cache.attention import (
     attention_over_context,
     decode_attention,
     decode_slot_index,
     fused_attention_over_context,
+    paged_attention_reference,
 )
-from lesson_utils.paged_cache import PagedKVCache
-from lesson_utils.reservation import FREE, INTERNAL, TOKEN
-from lesson_utils.scheduler import Sequence
-from lesson_utils.workloads import Request
+from lesson_utils.cache.dense import DenseKVCache
+from lesson_utils.cache.paged import PagedKVCache, gather_kv, slot_mapping
+from lesson_utils.cache.seam import StepBatch
+from lesson_utils.memory.block_allocator import BlockAllocator
+from lesson_utils.memory.block_manager import BlockManager
+from lesson_utils.memory.block_table import BlockTable, blocks_needed, grow_block_table
+from lesson_utils.types import FREE, INTERNAL, TOKEN, NeverFits, OutOfBlocks, Request, Sequence
 
 
 def make_seq(seq_id: int, prompt_len: int, output_len: int = 1000) -> Sequence:
@@ -597,7 +588,8 @@ def test_paged_cache_matches_dense_reference(block_size, batched_decode):
 def test_reserved_cache_matches_dense_reference(batched_decode):
     """The naive engine's cache (contiguous reservations, lesson 07) attends like the dense reference,
     through its per-sequence prefill path and its batched decode path."""
-    from lesson_utils.reservation import ContiguousReservationManager, ReservedKVCache
+    from lesson_utils.cache.reserved import ReservedKVCache
+    from lesson_utils.memory.reservation import ContiguousReservationManager
 
     gen = torch.Generator().manual_seed(3)
     layers, heads, dim = 2, 2, 8

@@ -49,16 +49,15 @@ import pytest
 import torch
 from helpers import hf_greedy
 
-from lesson_utils import simulator
-from lesson_utils.block_manager import BlockManager
-from lesson_utils.block_table import blocks_needed, gather_kv
-from lesson_utils.contiguous import NeverFits
-from lesson_utils.engine import Engine
-from lesson_utils.paged_cache import PagedKVCache
-from lesson_utils.scheduler import FCFSScheduler, Sequence, most_recently_admitted
-from lesson_utils.sharing import SharingBlockManager
-from lesson_utils.swap import SwapSpace
-from lesson_utils.workloads import Request
+from lesson_utils.cache.paged import PagedKVCache, gather_kv
+from lesson_utils.memory.block_manager import BlockManager
+from lesson_utils.memory.block_table import blocks_needed
+from lesson_utils.memory.sharing import SharingBlockManager
+from lesson_utils.memory.swap import SwapSpace
+from lesson_utils.serving import simulator
+from lesson_utils.serving.engine import Engine
+from lesson_utils.serving.scheduler import FCFSScheduler, most_recently_admitted
+from lesson_utils.types import NeverFits, Request, Sequence
 
 FALLBACK = "fell back to recompute"
 

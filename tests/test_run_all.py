@@ -1,4 +1,4 @@
-"""lesson_utils.run_all on two tiny notebooks: one passes, one raises. Also the report, --jobs and --compare."""
+"""course_tools.run_all on two tiny notebooks: one passes, one raises. Also the report, --jobs and --compare."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from lesson_utils import run_all
+from course_tools import run_all
 
 # a 1x1 PNG, displayed the way matplotlib's inline backend does
 PNG = "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mNk+M9QDwADhgGAWjR9awAAAABJRU5ErkJggg=="

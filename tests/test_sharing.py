@@ -39,12 +39,10 @@ from hypothesis import event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule, run_state_machine_as_test
 
-from lesson_utils.block_allocator import OutOfBlocks
-from lesson_utils.block_pool import NO_PARENT, BlockPool, block_hash
-from lesson_utils.block_table import BlockTable, blocks_needed
-from lesson_utils.scheduler import Sequence
-from lesson_utils.sharing import SharingBlockManager, copy_on_write, fork_table, prefix_hits
-from lesson_utils.workloads import Request
+from lesson_utils.memory.block_pool import NO_PARENT, BlockPool, block_hash
+from lesson_utils.memory.block_table import BlockTable, blocks_needed
+from lesson_utils.memory.sharing import SharingBlockManager, copy_on_write, fork_table, prefix_hits
+from lesson_utils.types import OutOfBlocks, Request, Sequence
 
 ALPHABET = (0, 1, 2)  # few distinct tokens: prompts share prefixes, so the prefix cache really hits
 
@@ -734,7 +732,7 @@ def test_n_holders_of_a_shared_partial_block_cost_n_minus_1_copies(n, prompt_len
 
 
 def test_the_invariant_check_sees_a_free_queue_that_disagrees_with_the_counts():
-    from lesson_utils.sharing import SharingBlockManager
+    from lesson_utils.memory.sharing import SharingBlockManager
 
     m = SharingBlockManager(4, 2, watermark=0)
     m.check_invariants()

@@ -10,8 +10,10 @@ replace them with a measured run's numbers when one exists. Output: a prediction
 
 import numpy as np
 
-from lesson_utils import benchmark, reservation, simulator, workloads
-from lesson_utils.block_manager import BlockManager
+from lesson_utils import benchmark, workloads
+from lesson_utils.memory import reservation
+from lesson_utils.memory.block_manager import BlockManager
+from lesson_utils.serving import simulator
 
 max_len = 2048
 ENGINE_STEP_MS, ENGINE_PER_SEQ_MS, HF_STEP_MS, HF_PER_ROW_MS = 12.0, 0.15, 20.0, 0.1

@@ -37,7 +37,8 @@ def is_strict() -> bool:
 def case_device():
     """Where checkers build their cases: the profile's device, as the lesson's own code will use them (a
     function that only works on CPU tensors must fail its check, not the GPU run after it)."""
-    from .. import device_discipline
+    from lesson_utils import device_discipline
+
     from ..env import get_profile
 
     if device_discipline.active() is not None:  # a test's device-discipline block: its device stands for the GPU

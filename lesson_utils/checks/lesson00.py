@@ -5,7 +5,8 @@ from __future__ import annotations
 import random
 from types import SimpleNamespace
 
-from .. import kv_math
+from lesson_utils import kv_math
+
 from ..decoding import Stepper, decode_with_cache
 from .core import CheckResult, check_function, failed, not_implemented, passed, short
 

@@ -6,8 +6,10 @@ import random
 
 import torch
 
-from .. import contiguous
-from ..kv_cache import StepBatch
+from lesson_utils.cache import contiguous as contiguous_cache
+from lesson_utils.cache.seam import StepBatch
+from lesson_utils.memory import contiguous
+
 from .core import CheckResult, case_device, check_function, expect_error, failed, passed
 
 
@@ -168,7 +170,7 @@ def check_slot_mapping(fn) -> CheckResult:
     return check_function(
         "slot_mapping",
         fn,
-        contiguous.slot_mapping,
+        contiguous_cache.slot_mapping,
         _batches(),
         show_input=show,
         explain=explain,
@@ -176,7 +178,7 @@ def check_slot_mapping(fn) -> CheckResult:
     )
 
 
-def check_reservation_errors(cache_cls=contiguous.ContiguousKVCache) -> None:
+def check_reservation_errors(cache_cls=contiguous_cache.ContiguousKVCache) -> None:
     """Not an exercise: shows the arena's errors (used in the notebook's 'bad input' section)."""
     cache = cache_cls(1, 16, 1, 4, default_reservation=8)
     for what, call in [

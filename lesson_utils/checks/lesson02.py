@@ -6,7 +6,8 @@ import random
 
 import numpy as np
 
-from .. import reservation as R
+from lesson_utils.memory import reservation as R
+
 from .core import CheckResult, check_function
 
 _NAMES = {R.TOKEN: "token", R.RESERVED: "reserved", R.INTERNAL: "internal", R.FREE: "free"}

@@ -6,9 +6,12 @@ import random
 
 import torch
 
-from .. import block_table as bt
-from ..block_allocator import BlockAllocator, OutOfBlocks
-from ..kv_cache import StepBatch
+from lesson_utils.cache import attention, paged
+from lesson_utils.cache.seam import StepBatch
+from lesson_utils.memory import block_table as bt
+from lesson_utils.memory.block_allocator import BlockAllocator
+from lesson_utils.types import OutOfBlocks
+
 from .core import CheckResult, case_device, check_function, failed, not_implemented, passed
 
 
@@ -214,7 +217,7 @@ def check_slot_mapping(fn) -> CheckResult:
     return check_function(
         "slot_mapping",
         fn,
-        bt.slot_mapping,
+        paged.slot_mapping,
         _slot_cases(),
         show_input=show,
         explain=explain,
@@ -247,7 +250,7 @@ def check_gather_kv(fn) -> CheckResult:
     return check_function(
         "gather_kv",
         fn,
-        bt.gather_kv,
+        attention.gather_kv,
         _gather_cases(),
         show_input=lambda c: f"cache {tuple(c[0].shape)}, block_table={c[1]}, context_len={c[2]}",
         explain=explain,

@@ -12,7 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .. import kernels as K
+from lesson_utils.kernels import paged_attention as K
+
 from ..device_discipline import kernel_launch
 from .core import CheckResult, case_device, failed, not_implemented, passed
 

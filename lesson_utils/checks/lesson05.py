@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from .. import sharing
-from ..block_pool import NO_PARENT, BlockPool, block_hash
-from ..block_table import BlockTable
+from lesson_utils.memory import sharing
+from lesson_utils.memory.block_pool import NO_PARENT, BlockPool, block_hash
+from lesson_utils.memory.block_table import BlockTable
+
 from .core import CheckResult, failed, not_implemented, passed
 
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import itertools
 
-from .. import scheduler as S
-from .. import swap
-from ..scheduler import Sequence
-from ..workloads import Request
+from lesson_utils.memory import swap
+from lesson_utils.serving import scheduler as S
+from lesson_utils.types import Request, Sequence
+
 from .core import CheckResult, failed, not_implemented, passed
 
 

@@ -6,10 +6,11 @@ from dataclasses import dataclass
 
 import torch
 
-from ..block_allocator import OutOfBlocks
-from ..engine import Engine, ModelRunner, default_step
-from ..paged_cache import PagedKVCache
-from ..sharing import SharingBlockManager
+from lesson_utils.cache.paged import PagedKVCache
+from lesson_utils.memory.sharing import SharingBlockManager
+from lesson_utils.serving.engine import Engine, ModelRunner, default_step
+from lesson_utils.types import OutOfBlocks
+
 from .core import CheckResult, failed, not_implemented, passed
 
 MAX_STEPS = 400

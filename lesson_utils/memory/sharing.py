@@ -1,6 +1,6 @@
 """Lesson 05: sharing blocks between sequences - fork, copy-on-write, and a prefix cache.
 
-:class:`SharingBlockManager` is lesson 03's block manager on a :class:`~lesson_utils.block_pool.BlockPool`:
+:class:`SharingBlockManager` is lesson 03's block manager on a :class:`~lesson_utils.memory.block_pool.BlockPool`:
 
 * :meth:`~SharingBlockManager.fork` gives a child sequence its parent's block table and bumps the counts:
   no block is allocated or copied (parallel sampling, beam search).
@@ -20,11 +20,10 @@ from __future__ import annotations
 
 from typing import Callable
 
-from .block_allocator import OutOfBlocks
-from .block_manager import BlockManager
-from .block_pool import NO_PARENT, BlockPool, block_hash
-from .block_table import BlockTable, blocks_needed
-from .scheduler import Sequence
+from lesson_utils.memory.block_manager import BlockManager
+from lesson_utils.memory.block_pool import NO_PARENT, BlockPool, block_hash
+from lesson_utils.memory.block_table import BlockTable, blocks_needed
+from lesson_utils.types import OutOfBlocks, Sequence
 
 
 def fork_table(parent: BlockTable, pool: BlockPool) -> BlockTable:

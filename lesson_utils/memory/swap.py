@@ -7,7 +7,7 @@ whatever GPU blocks are free then - the block table makes their new addresses ir
 :class:`SwapSpace` is the CPU side: a pool of ``num_blocks`` CPU blocks (reference-counted, so blocks that
 several swapped sequences share - forked samples - are swapped out once) and, for real runs, the CPU tensors
 (pinned memory on CUDA, for fast asynchronous copies). It works with both lesson 03's
-:class:`~lesson_utils.block_manager.BlockManager` and lesson 05's sharing manager.
+:class:`~lesson_utils.memory.block_manager.BlockManager` and lesson 05's sharing manager.
 
 Invariants: a swapped sequence holds no GPU block and ``cpu_tables[seq]`` CPU blocks; a CPU block's count
 equals the number of CPU tables holding it; swap-out then swap-in restores the sequence's K/V exactly.
@@ -19,8 +19,8 @@ from typing import Callable
 
 import torch
 
-from .block_pool import BlockPool
-from .block_table import BlockTable
+from lesson_utils.memory.block_pool import BlockPool
+from lesson_utils.memory.block_table import BlockTable
 
 
 def swap_mapping(

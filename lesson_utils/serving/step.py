@@ -1,14 +1,15 @@
 """The serving step: one iteration of every engine in the course, model or no model.
 
-The engine runs it with the model runner (:class:`~lesson_utils.engine.ModelRunner`: a real forward pass), the
-simulator with the accounting runner (:class:`~lesson_utils.simulator.AccountingRunner`: every running sequence
+The engine runs it with the model runner (:class:`~lesson_utils.serving.engine.ModelRunner`: a real forward pass), the
+simulator with the accounting runner (:class:`~lesson_utils.serving.simulator.AccountingRunner`: every running sequence
 "generates" a token). Same scheduler, same memory manager, same decisions: what the simulator measures about
 memory is what the engine does.
 """
 
 from __future__ import annotations
 
-from .scheduler import Sequence, StepPlan
+from lesson_utils.serving.scheduler import StepPlan
+from lesson_utils.types import Sequence
 
 
 def serve_step(scheduler, runner, step: int, *, after_run=None) -> tuple[StepPlan, list[Sequence]]:

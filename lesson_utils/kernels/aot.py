@@ -6,7 +6,7 @@ says, per configuration: registers per thread and spills (from ``cuobjdump`` on 
 (must fit a T4 block's 48 KiB), and whether the PTX uses tensor-core ``mma`` instructions (never on sm_75).
 
 Compiling must happen in a process where ``TRITON_INTERPRET`` is off (Triton fixes the mode when a kernel
-is defined), so :func:`compile_report` runs ``python -m lesson_utils.aot`` in a subprocess with it set to 0.
+is defined), so :func:`compile_report` runs ``python -m lesson_utils.kernels.aot`` in a subprocess with it set to 0.
 """
 
 from __future__ import annotations
@@ -21,6 +21,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 T4_SHARED_LIMIT = 48 * 1024
+
+
 TARGETS = {"sm_75": 75, "sm_80": 80}
 
 
@@ -95,7 +97,7 @@ def _compile_one(cfg: KernelConfig, target: str) -> CompileResult:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from . import kernels
+    from lesson_utils.kernels import paged_attention as kernels
 
     ptr = "*fp16" if cfg.dtype == "fp16" else "*fp32"
     if cfg.kernel == "write-kv":
@@ -182,13 +184,13 @@ def compile_report(configs: list[KernelConfig] | None = None, timeout: int = 900
     environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
     payload = json.dumps([asdict(c) for c in configs] if configs else None)
     proc = subprocess.run(
-        [sys.executable, "-m", "lesson_utils.aot"],
+        [sys.executable, "-m", "lesson_utils.kernels.aot"],
         input=payload,
         capture_output=True,
         text=True,
         env=environ,
         timeout=timeout,
-        cwd=str(Path(__file__).resolve().parents[1]),
+        cwd=str(Path(__file__).resolve().parents[2]),
     )
     if proc.returncode != 0:
         raise RuntimeError(f"the ahead-of-time compile process failed:\n{proc.stderr[-3000:]}")

@@ -2,10 +2,10 @@
 
 Three pieces, each replaceable:
 
-* the **scheduler** (:class:`~lesson_utils.scheduler.FCFSScheduler`) decides who runs this step;
-* the **memory manager** (the :class:`~lesson_utils.block_manager.BlockManager` inside a
-  :class:`~lesson_utils.paged_cache.PagedKVCache`, or lesson 05's
-  :class:`~lesson_utils.sharing.SharingBlockManager`) decides where their K/V live;
+* the **scheduler** (:class:`~lesson_utils.serving.scheduler.FCFSScheduler`) decides who runs this step;
+* the **memory manager** (the :class:`~lesson_utils.memory.block_manager.BlockManager` inside a
+  :class:`~lesson_utils.cache.paged.PagedKVCache`, or lesson 05's
+  :class:`~lesson_utils.memory.sharing.SharingBlockManager`) decides where their K/V live;
 * the **model runner** runs one forward step over everyone scheduled: new sequences are prefilled
   (all their tokens not yet in the cache), running ones decode one token, side by side in one flat batch.
 
@@ -25,12 +25,11 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from .block_allocator import OutOfBlocks
-from .kv_cache import StepBatch
-from .opt_forward import OPTWeights, forward
-from .scheduler import FCFSScheduler, Sequence, StepPlan
-from .step import serve_step
-from .workloads import Request
+from lesson_utils.cache.seam import StepBatch
+from lesson_utils.model.opt_forward import OPTWeights, forward
+from lesson_utils.serving.scheduler import FCFSScheduler, StepPlan
+from lesson_utils.serving.step import serve_step
+from lesson_utils.types import OutOfBlocks, Request, Sequence
 
 
 def check_token_ids(ids, vocab_size: int, what: str = "prompt") -> list[int]:
@@ -133,7 +132,7 @@ class StepStats:
 
 def default_step(scheduler, runner, manager, step: int) -> list[Sequence]:
     """One engine iteration, piece by piece (lesson 07's exercise, the reference its checker compares with):
-    admit, make room, run, register, retire - :func:`~lesson_utils.step.serve_step` without swap copies."""
+    admit, make room, run, register, retire - :func:`~lesson_utils.serving.step.serve_step` without swap copies."""
     scheduler.admit(step)
     scheduler.reserve_next_slots()
     runner.execute(scheduler.running, step)
@@ -151,7 +150,7 @@ class Engine:
     max_num_seqs: int | None = None
     stop_at_eos: bool = True
     preemption_mode: str = "recompute"  # lesson 06: or "swap"
-    swap_space: object = None  # a lesson_utils.swap.SwapSpace, for preemption_mode="swap"
+    swap_space: object = None  # a lesson_utils.memory.swap.SwapSpace, for preemption_mode="swap"
     max_num_batched_tokens: int | None = None
     scheduler_kw: dict = field(default_factory=dict)  # e.g. a learner's choose_victim / reset
     step_fn: object = None  # lesson 07: a learner's version of default_step (no swapping, no forks)

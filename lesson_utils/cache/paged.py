@@ -2,7 +2,7 @@
 
 Per layer, ``k_cache[layer]`` and ``v_cache[layer]`` have shape
 ``[num_blocks, block_size, num_kv_heads, head_dim]`` (the layout vLLM's kernels and lesson 04 use).
-Which blocks belong to which sequence is the :class:`~lesson_utils.block_manager.BlockManager`'s
+Which blocks belong to which sequence is the :class:`~lesson_utils.memory.block_manager.BlockManager`'s
 business; this class only moves K/V in and out:
 
 * ``prepare``: make sure every sequence's table covers its new tokens, compute the slot mapping;
@@ -15,7 +15,7 @@ attention) is what runs on a CPU: a Python loop of a few calls per sequence cost
 and a single batched gather pads every sequence to the longest one (measured once on the course's 2-core
 machine, the loop was the faster by 2-5x; the notebooks measure their own runs). On a GPU each call is a kernel launch, so ``batched_decode`` (on by default for a CUDA
 cache, unless a custom ``gather_fn`` is given - lesson 03's exercise) serves all decoding sequences with one
-padded gather and :func:`~lesson_utils.kv_cache.decode_attention`; lesson 04's kernel does the same without
+padded gather and :func:`~lesson_utils.cache.attention.decode_attention`; lesson 04's kernel does the same without
 the gather.
 """
 
@@ -25,17 +25,25 @@ from typing import Callable
 
 import torch
 
-from .block_manager import BlockManager
-from .block_table import gather_kv, slot_mapping
-from .device_discipline import acts_as_gpu
-from .kv_cache import (
-    AttentionMetadata,
-    StepBatch,
-    decode_attention,
-    decode_slot_index,
-    fused_attention_over_context,
-    mark_decodes,
-)
+from lesson_utils.cache.attention import decode_attention, decode_slot_index, fused_attention_over_context, gather_kv
+from lesson_utils.cache.seam import AttentionMetadata, StepBatch, mark_decodes
+from lesson_utils.device_discipline import acts_as_gpu
+from lesson_utils.memory.block_manager import BlockManager
+
+
+def slot_mapping(batch: StepBatch, block_tables: list[list[int]], block_size: int) -> torch.Tensor:
+    """Flat cache slot of every new token in ``batch`` (``block_tables[i]`` belongs to ``batch.seq_ids[i]``).
+
+    Returns a ``torch.long`` tensor on the batch's device, built from host-side data (the tables and the
+    batch's lengths: a sequence's new tokens sit at positions ``context_len - query_len .. context_len - 1``)
+    and moved to the device once, so no step waits for the GPU to hand ``batch.positions`` back.
+    """
+    slots = [
+        table[p // block_size] * block_size + p % block_size
+        for table, positions in zip(block_tables, batch.new_positions())
+        for p in positions
+    ]
+    return torch.tensor(slots, dtype=torch.long, device=batch.positions.device)
 
 
 class PagedKVCache:

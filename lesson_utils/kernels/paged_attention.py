@@ -21,15 +21,13 @@ arguments so a learner's versions can be dropped in.
 
 from __future__ import annotations
 
-from . import env  # noqa: F401  (sets TRITON_INTERPRET=1 on a CPU before any kernel is defined)
-
-# isort: split
 import torch
 import triton
 import triton.language as tl
 
-from .block_table import paged_attention_reference
-from .device_discipline import check_kernel_args, kernel_launch
+from lesson_utils import env  # noqa: F401  (sets TRITON_INTERPRET=1 on a CPU before any kernel is defined)
+from lesson_utils.cache.attention import paged_attention_reference
+from lesson_utils.device_discipline import check_kernel_args, kernel_launch
 
 __all__ = [
     "block_slots",
@@ -123,6 +121,8 @@ def paged_decode_kernel(
 
 
 VARIANTS = ("simple", "tiled")
+
+
 TILE_ELEMENTS = 4096  # the tiled variant loads about this many K (and V) elements per loop step
 
 

@@ -4,7 +4,7 @@
 * **Pow2** reserves the true final length rounded up to a power of two: at most 2x what is needed.
 * **Oracle** knows the true output length and reserves exactly prompt + output.
 
-:class:`ContiguousReservationManager` is a memory manager for :class:`~lesson_utils.scheduler.FCFSScheduler`:
+:class:`ContiguousReservationManager` is a memory manager for :class:`~lesson_utils.serving.scheduler.FCFSScheduler`:
 it places each reservation first-fit in one arena and accounts every slot as one of four kinds
 (the paper's Fig. 2 breakdown):
 
@@ -19,11 +19,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from .contiguous import FirstFitAllocator, NeverFits
-from .scheduler import Sequence
-
-TOKEN, RESERVED, INTERNAL, FREE = 0, 1, 2, 3
-KIND_NAMES = ("token states", "reserved", "internal fragmentation", "external fragmentation")
+from lesson_utils.memory.contiguous import FirstFitAllocator
+from lesson_utils.types import FREE, INTERNAL, RESERVED, TOKEN, NeverFits, Sequence
 
 POLICIES = ("max", "pow2", "oracle")
 
@@ -146,85 +143,3 @@ class ContiguousReservationManager:
 
     def external_fragmentation(self) -> float:
         return external_fragmentation(self.allocator.holes)
-
-
-class ReservedKVCache:
-    """Lesson 01's contiguous arena as the engine's cache: reservations come from a
-    :class:`ContiguousReservationManager` (the scheduler's memory manager), so the naive server and the paged
-    one run through the same engine. Token ``p`` of a sequence lives in slot ``start + p``."""
-
-    def __init__(
-        self,
-        num_layers: int,
-        num_kv_heads: int,
-        head_dim: int,
-        manager: ContiguousReservationManager,
-        *,
-        dtype=None,
-        device: str = "cpu",
-        batched_decode: bool | None = None,
-    ):
-        import torch
-
-        from .contiguous import slot_mapping
-        from .device_discipline import acts_as_gpu
-
-        self.manager = manager
-        shape = (num_layers, manager.total_slots, num_kv_heads, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype or torch.float32, device=device)
-        self.v = torch.zeros_like(self.k)
-        self.k_cache = [self.k[i] for i in range(num_layers)]  # per-layer views (what a swap space would mirror)
-        self._slot_mapping = slot_mapping
-        # as the paged cache: one batched decode attention on a GPU, a loop of fused calls on a CPU
-        self.batched_decode = acts_as_gpu(device) if batched_decode is None else batched_decode
-
-    @classmethod
-    def for_model(cls, w, manager: ContiguousReservationManager, **kw) -> "ReservedKVCache":
-        """A cache with the geometry of ``w``, on its device and in its dtype unless ``device=``/``dtype=`` say otherwise."""
-        kw.setdefault("dtype", w.dtype)
-        kw.setdefault("device", w.device)
-        return cls(w.num_layers, w.num_kv_heads, w.head_dim, manager, **kw)
-
-    def prepare(self, batch) -> None:
-        from .kv_cache import AttentionMetadata, decode_slot_index, mark_decodes
-
-        for sid, clen in zip(batch.seq_ids, batch.context_lens):
-            if clen > self.manager.reserved[sid]:
-                raise NeverFits(f"sequence {sid} needs {clen} slots but reserved {self.manager.reserved[sid]}")
-        decode = mark_decodes(batch, self.batched_decode, self.k.device)
-        if decode:  # the same batched decode attention as the paged cache: only where K/V live differs
-            first = [self.manager.start[batch.seq_ids[i]] for i in decode.indices]
-            ctx = [batch.context_lens[i] for i in decode.indices]
-            decode.slot_index = decode_slot_index(first, ctx, None, self.k.device)
-        slots = self._slot_mapping(batch, [self.manager.start[s] for s in batch.seq_ids])
-        batch.meta = AttentionMetadata(slots, decode=decode)
-
-    def write(self, layer, batch, k, v):
-        self.k[layer, batch.meta.slots] = k.to(self.k.dtype)
-        self.v[layer, batch.meta.slots] = v.to(self.v.dtype)
-
-    def attend(self, layer, batch, q, scale):
-        import torch
-
-        from .kv_cache import decode_attention, fused_attention_over_context
-
-        out = torch.empty_like(q)
-        decode = batch.meta.decode
-        skip = set(decode.indices) if decode else set()
-        for i, (sid, start, n, ctx) in enumerate(
-            zip(batch.seq_ids, batch.starts, batch.query_lens, batch.context_lens)
-        ):
-            if i in skip:
-                continue
-            first = self.manager.start[sid]
-            out[start : start + n] = fused_attention_over_context(
-                q[start : start + n], self.k[layer, first : first + ctx], self.v[layer, first : first + ctx], scale
-            )
-        if decode:
-            out[decode.rows] = decode_attention(
-                q[decode.rows], self.k[layer], self.v[layer], decode.slot_index, decode.context_lens, scale
-            )
-        return out
-
-    def free(self, seq_id: int) -> None:
-        """The scheduler frees reservations through the manager; nothing to do here."""

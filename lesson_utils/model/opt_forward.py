@@ -20,7 +20,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from .kv_cache import KVCache, StepBatch
+from lesson_utils.cache.seam import KVCache, StepBatch
 
 POSITION_OFFSET = 2  # OPT's learned position table starts at row 2 (a fairseq padding convention)
 
@@ -155,11 +155,6 @@ def _optional(kind, module):
     return None if module is None else kind.from_module(module)
 
 
-# ---------------------------------------------------------------------------------------------------
-# Forward
-# ---------------------------------------------------------------------------------------------------
-
-
 def forward(w: OPTWeights, batch: StepBatch, cache: KVCache, *, last_only: bool = True) -> torch.Tensor:
     """Run one step: write the new tokens' K/V into ``cache`` and return logits.
 
@@ -224,11 +219,6 @@ def _attention(w, i, layer: OPTLayerWeights, x, batch, cache) -> torch.Tensor:
     cache.write(i, batch, k, v)
     out = cache.attend(i, batch, q, w.head_dim**-0.5)
     return layer.out_proj(out.reshape(x.shape[0], w.hidden))
-
-
-# ---------------------------------------------------------------------------------------------------
-# Greedy generation
-# ---------------------------------------------------------------------------------------------------
 
 
 def generate_greedy(

@@ -12,106 +12,10 @@ and one more for each token it generates, from the step that produces it.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
-from typing import Callable, Protocol
+from dataclasses import dataclass
+from typing import Callable
 
-from .block_allocator import OutOfBlocks
-from .workloads import Request
-
-
-@dataclass(eq=False)
-class Sequence:
-    """A request being served. ``len`` = prompt tokens + tokens generated so far.
-
-    ``kv_len`` counts the tokens whose K/V are in the cache (the real engine's runner feeds
-    ``token_ids[kv_len:]`` next step); a preempted sequence drops back to 0 and is prefilled again.
-    ``eos_token_id`` ends the sequence early when generated (real runs only; simulations know lengths).
-    """
-
-    request: Request
-    num_generated: int = 0
-    admitted_step: int | None = None
-    first_token_step: int | None = None
-    finished_step: int | None = None
-    output_ids: list[int] = field(default_factory=list)
-    eos_token_id: int | None = None
-    kv_len: int = 0
-    preemptions: int = 0
-    temperature: float = 0.0  # 0 = greedy
-    generator: object = None  # a torch.Generator for sampling
-    pending_forks: int = 0  # parallel sampling: siblings still to fork after the prefill
-    last_logits: object = None
-    samples: list = field(default_factory=list)
-    added_at: float = 0.0
-    first_token_s: float | None = None  # time to first token, seconds (real runs)
-    finished_s: float | None = None  # time from arrival to the last token, seconds (real runs)
-    aborted: bool = False  # cancelled before it finished (its memory is given back at once)
-
-    @property
-    def seq_id(self) -> int:
-        return self.request.req_id
-
-    @property
-    def len(self) -> int:
-        return self.request.prompt_len + self.num_generated
-
-    @property
-    def final_len(self) -> int:
-        """Length once finished (known to the simulator; only the Oracle policy may use it)."""
-        return self.request.prompt_len + self.request.output_len
-
-    @property
-    def is_finished(self) -> bool:
-        if self.num_generated >= self.request.output_len:
-            return True
-        return self.eos_token_id is not None and bool(self.output_ids) and self.output_ids[-1] == self.eos_token_id
-
-    @property
-    def token_ids(self) -> list[int]:
-        """Prompt then generated ids (real runs only)."""
-        return list(self.request.prompt_ids or []) + self.output_ids
-
-
-class MemoryManager(Protocol):
-    """What the scheduler, the engine and the simulator ask of a KV memory manager (contiguous in lesson 02,
-    paged in lesson 03, sharing in lesson 05). Every manager has every member: one that has nothing to do
-    for a hook does nothing (no ``getattr`` probing by its callers)."""
-
-    total_slots: int
-    name: str
-    watermark_blocks: int  # free blocks kept back from admission (0 where there are no blocks)
-    can_fork: bool  # True where sequences can share blocks (fork for parallel sampling and beam search)
-
-    @property
-    def num_free_blocks(self) -> int | None:
-        """Free blocks now; None for a manager without blocks (contiguous reservations)."""
-
-    def cache_computed(self, seq: Sequence) -> None:
-        """After a forward pass: register ``seq``'s full, computed blocks in the prefix cache (if any)."""
-
-    def external_fragmentation(self) -> float:
-        """How scattered free memory is (nan where it cannot be: paged memory has no holes)."""
-
-    def slot_kinds(self):
-        """Every slot's kind, for memory maps (a numpy array), or None where not recorded."""
-
-    def check_admissible(self, seq: Sequence) -> None:
-        """Raise ``NeverFits`` if ``seq`` could not run even in an empty cache."""
-
-    def can_allocate(self, seq: Sequence) -> bool:
-        """Would :meth:`allocate` succeed now?"""
-
-    def allocate(self, seq: Sequence) -> None:
-        """Admit ``seq``: give it memory for its prompt (and whatever the policy reserves)."""
-
-    def append_slot(self, seq: Sequence) -> None:
-        """``seq`` is about to grow by one token: make sure that token has a slot."""
-
-    def free(self, seq: Sequence) -> None:
-        """``seq`` finished: take all of its memory back."""
-
-    def breakdown(self) -> dict[str, int]:
-        """Slots by kind: token states, reserved, internal fragmentation, free (sums to total_slots)."""
+from lesson_utils.types import MemoryManager, OutOfBlocks, Sequence
 
 
 def most_recently_admitted(running: list[Sequence]) -> Sequence:
@@ -192,7 +96,7 @@ class FCFSScheduler:
         if preemption_mode not in ("recompute", "swap"):
             raise ValueError(f"preemption_mode is 'recompute' or 'swap', got {preemption_mode!r}")
         if preemption_mode == "swap" and swap_space is None:
-            raise ValueError("preemption_mode='swap' needs a swap_space (lesson_utils.swap.SwapSpace)")
+            raise ValueError("preemption_mode='swap' needs a swap_space (lesson_utils.memory.swap.SwapSpace)")
         if max_num_batched_tokens is not None and max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be positive, got {max_num_batched_tokens}")
         if max_num_seqs is not None and (

@@ -13,9 +13,7 @@ from __future__ import annotations
 
 from collections import deque
 
-
-class OutOfBlocks(RuntimeError):
-    """No free block right now. Not a crash: schedulers catch it and wait or preempt."""
+from lesson_utils.types import OutOfBlocks
 
 
 class BlockAllocator:

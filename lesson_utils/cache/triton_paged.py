@@ -1,11 +1,11 @@
 """Lesson 04: the paged cache with Triton kernels as its attention backend.
 
-Same memory layout and block manager as :class:`~lesson_utils.paged_cache.PagedKVCache` (lesson 03); two
+Same memory layout and block manager as :class:`~lesson_utils.cache.paged.PagedKVCache` (lesson 03); two
 things change:
 
-* new K/V are stored by :func:`~lesson_utils.kernels.write_kv_to_cache` (one kernel launch per layer);
+* new K/V are stored by :func:`~lesson_utils.kernels.paged_attention.write_kv_to_cache` (one kernel launch per layer);
 * decode tokens (one new token of a sequence) attend through
-  :func:`~lesson_utils.kernels.paged_attention_decode`, which reads K/V block by block via the block
+  :func:`~lesson_utils.kernels.paged_attention.paged_attention_decode`, which reads K/V block by block via the block
   table instead of gathering a contiguous copy. Prefill tokens still use the gather (prefill attention is
   compute-bound and is not this lesson's subject).
 """
@@ -16,9 +16,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .kernels import paged_attention_decode, write_kv_to_cache
-from .kv_cache import AttentionMetadata
-from .paged_cache import PagedKVCache
+from lesson_utils.cache.paged import PagedKVCache
+from lesson_utils.cache.seam import AttentionMetadata
+from lesson_utils.kernels.paged_attention import paged_attention_decode, write_kv_to_cache
 
 
 @dataclass

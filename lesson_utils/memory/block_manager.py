@@ -1,9 +1,9 @@
 """Lesson 03: the block manager - PagedAttention's memory manager.
 
-It owns the :class:`~lesson_utils.block_allocator.BlockAllocator` and one
-:class:`~lesson_utils.block_table.BlockTable` per sequence, and speaks the scheduler's
-:class:`~lesson_utils.scheduler.MemoryManager` interface, so the very same object serves the real
-engine (through :class:`~lesson_utils.paged_cache.PagedKVCache`) and the memory-accounting simulator.
+It owns the :class:`~lesson_utils.memory.block_allocator.BlockAllocator` and one
+:class:`~lesson_utils.memory.block_table.BlockTable` per sequence, and speaks the scheduler's
+:class:`~lesson_utils.types.MemoryManager` interface, so the very same object serves the real
+engine (through :class:`~lesson_utils.cache.paged.PagedKVCache`) and the memory-accounting simulator.
 
 Invariants: a block is held by at most one table (sharing arrives in lesson 05); the blocks held by all
 tables plus the free blocks are exactly all blocks; every table holds ``blocks_needed(num_tokens)``
@@ -20,11 +20,9 @@ from typing import Callable
 
 import numpy as np
 
-from .block_allocator import BlockAllocator, OutOfBlocks
-from .block_table import BlockTable, blocks_needed, grow_block_table
-from .contiguous import NeverFits
-from .reservation import FREE, INTERNAL, TOKEN
-from .scheduler import Sequence
+from lesson_utils.memory.block_allocator import BlockAllocator
+from lesson_utils.memory.block_table import BlockTable, blocks_needed, grow_block_table
+from lesson_utils.types import FREE, INTERNAL, TOKEN, NeverFits, OutOfBlocks, Sequence
 
 
 class BlockManager:

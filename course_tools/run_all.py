@@ -2,11 +2,11 @@
 
 Usage, from the repository root::
 
-    python -m lesson_utils.run_all                          # every solution notebook, strict checkers
-    python -m lesson_utils.run_all --profile ci --which both
-    python -m lesson_utils.run_all --only 03 --timeout 600 --out runs/lesson03
-    python -m lesson_utils.run_all --which both --jobs 2   # two notebooks at a time (one kernel each)
-    python -m lesson_utils.run_all --compare runs/2025-01-10-gpu/summary.json   # beside the last recorded run
+    python -m course_tools.run_all                          # every solution notebook, strict checkers
+    python -m course_tools.run_all --profile ci --which both
+    python -m course_tools.run_all --only 03 --timeout 600 --out runs/lesson03
+    python -m course_tools.run_all --which both --jobs 2   # two notebooks at a time (one kernel each)
+    python -m course_tools.run_all --compare runs/2025-01-10-gpu/summary.json   # beside the last recorded run
 
 Each notebook runs in a fresh ``python3`` kernel whose working directory is the notebook's folder and
 whose environment has
@@ -641,7 +641,7 @@ def format_table(results: list[NotebookResult]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m lesson_utils.run_all",
+        prog="python -m course_tools.run_all",
         description="Execute the course notebooks and report which pass.",
     )
     parser.add_argument("--root", default=".", help="repository root (default: the current folder)")

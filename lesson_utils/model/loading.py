@@ -26,14 +26,9 @@ from urllib.parse import urlparse
 
 import torch
 
-from .env import Profile, get_profile
+from lesson_utils.env import Profile, get_profile
 
 DEFAULT_MODEL = "facebook/opt-125m"
-
-
-# ---------------------------------------------------------------------------------------------------
-# Fallback tokenizer
-# ---------------------------------------------------------------------------------------------------
 
 
 class ByteTokenizer:
@@ -74,11 +69,6 @@ class ByteTokenizer:
         return "".join(out)
 
 
-# ---------------------------------------------------------------------------------------------------
-# Configurations
-# ---------------------------------------------------------------------------------------------------
-
-
 def tiny_opt_config():
     """The ``ci`` profile's model: OPT's architecture (pre-LN, ReLU, learned positions) at toy size.
 
@@ -109,11 +99,6 @@ def opt125m_config():
     from transformers import OPTConfig
 
     return OPTConfig()
-
-
-# ---------------------------------------------------------------------------------------------------
-# The loaded model
-# ---------------------------------------------------------------------------------------------------
 
 
 @dataclass
@@ -236,11 +221,6 @@ def print_notice(*lines: str) -> None:
     for line in body:
         print(f"| {line.ljust(width)} |")
     print("+" + "-" * (width + 2) + "+", flush=True)
-
-
-# ---------------------------------------------------------------------------------------------------
-# Network helpers: fail fast on an offline machine
-# ---------------------------------------------------------------------------------------------------
 
 
 def _hub_errors() -> tuple[type[BaseException], ...]:

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from .block_allocator import OutOfBlocks
+from lesson_utils.types import OutOfBlocks
 
 NO_PARENT = None
 

@@ -17,9 +17,9 @@ from functools import partial
 
 import numpy as np
 
-from .scheduler import FCFSScheduler, MemoryManager, Sequence
-from .step import serve_step
-from .workloads import Request
+from lesson_utils.serving.scheduler import FCFSScheduler
+from lesson_utils.serving.step import serve_step
+from lesson_utils.types import MemoryManager, Request, Sequence
 
 KINDS = ("token states", "reserved", "internal fragmentation", "free")
 

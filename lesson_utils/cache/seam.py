@@ -1,0 +1,132 @@
+"""The seam between the model and a KV cache.
+
+The compact OPT forward (``lesson_utils.model.opt_forward``) never stores keys and values itself: each step it
+hands them to a cache object and asks the same object for attention. Lesson 01 plugs in a contiguous
+arena, lesson 03 a paged cache, lesson 04 a Triton kernel; this module holds the interface they share,
+the plain-torch attention every cache is checked against, and the simplest possible cache.
+
+A step processes a *flat* batch of new tokens from several sequences at once: a whole prompt for a
+sequence being prefilled, one token for a sequence being decoded.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+
+@dataclass
+class DecodeGroup:
+    """The sequences of a step that decode one token each, served together by one batched attention call.
+
+    ``indices`` are their places in the batch; ``rows`` their rows in the flat batch and ``context_lens``
+    their context lengths, both on the cache's device; ``slot_index`` (``[n, max_ctx]`` cache slots of their
+    context tokens) is built by the first layer that needs it and reused by the others.
+    """
+
+    indices: list[int]
+    rows: torch.Tensor
+    context_lens: torch.Tensor
+    slot_index: torch.Tensor | None = None
+
+
+@dataclass
+class AttentionMetadata:
+    """What a cache works out once per step, in ``prepare``, and reads in every layer's ``write``/``attend``.
+
+    ``slots``: the flat cache slot of every new token (``torch.long``, on the cache's device);
+    ``block_tables``: each sequence's physical blocks (paged caches; None for contiguous ones);
+    ``decode``: the sequences served together (:func:`mark_decodes`), None when there are none.
+    """
+
+    slots: torch.Tensor
+    block_tables: list[list[int]] | None = None
+    decode: DecodeGroup | None = None
+
+
+@dataclass
+class StepBatch:
+    """The new tokens of one forward step, flattened across sequences.
+
+    Invariants: ``len(seq_ids) == len(query_lens) == len(context_lens)``;
+    ``input_ids.shape == positions.shape == (sum(query_lens),)``; sequence ``i``'s new tokens are the
+    contiguous run ``input_ids[starts[i] : starts[i] + query_lens[i]]`` and sit at positions
+    ``context_lens[i] - query_lens[i] ... context_lens[i] - 1`` of that sequence.
+    """
+
+    seq_ids: list[int]
+    query_lens: list[int]
+    context_lens: list[int]  # tokens held for the sequence once this step's K/V are written
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata | None = None  # set by the cache's prepare(), for its own write() and attend()
+
+    @property
+    def starts(self) -> list[int]:
+        out, total = [], 0
+        for n in self.query_lens:
+            out.append(total)
+            total += n
+        return out
+
+    @property
+    def num_tokens(self) -> int:
+        return int(sum(self.query_lens))
+
+    def new_positions(self) -> list[range]:
+        """Each sequence's new-token positions, from the host-side lengths: no read-back of ``positions``."""
+        return [range(c - q, c) for q, c in zip(self.query_lens, self.context_lens)]
+
+    @classmethod
+    def build(cls, seq_ids, new_tokens, context_before, device="cpu") -> "StepBatch":
+        """Make a step from each sequence's new token ids and how many tokens it already had cached."""
+        if not (len(seq_ids) == len(new_tokens) == len(context_before)):
+            raise ValueError("seq_ids, new_tokens and context_before must have the same length")
+        ids, pos, qlens, clens = [], [], [], []
+        for toks, before in zip(new_tokens, context_before):
+            if len(toks) == 0:
+                raise ValueError("every sequence in a step needs at least one new token")
+            ids.extend(int(t) for t in toks)
+            pos.extend(range(before, before + len(toks)))
+            qlens.append(len(toks))
+            clens.append(before + len(toks))
+        return cls(
+            seq_ids=list(seq_ids),
+            query_lens=qlens,
+            context_lens=clens,
+            input_ids=torch.tensor(ids, dtype=torch.long, device=device),
+            positions=torch.tensor(pos, dtype=torch.long, device=device),
+        )
+
+
+class KVCache(Protocol):
+    """What the model needs from a cache. ``k``/``v``/``q`` are ``[num_tokens, heads, head_dim]``."""
+
+    def prepare(self, batch: StepBatch) -> None:
+        """Find room for this step's new tokens (called once per step, before layer 0)."""
+
+    def write(self, layer: int, batch: StepBatch, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store the new tokens' keys and values for ``layer``."""
+
+    def attend(self, layer: int, batch: StepBatch, q: torch.Tensor, scale: float) -> torch.Tensor:
+        """Causal attention of each new token over its own sequence's cached tokens."""
+
+    def free(self, seq_id: int) -> None:
+        """Forget a finished sequence and give its memory back."""
+
+
+def mark_decodes(batch: StepBatch, enabled: bool, device) -> DecodeGroup | None:
+    """The sequences of ``batch`` that decode one token this step, to serve all at once (None when there are
+    none, or when not ``enabled``). A cache calls it in ``prepare``; ``attend`` then serves the other
+    sequences one by one and these together."""
+    decode = [i for i, n in enumerate(batch.query_lens) if n == 1] if enabled else []
+    if not decode:
+        return None
+    starts = batch.starts
+    return DecodeGroup(
+        decode,
+        torch.tensor([starts[i] for i in decode], device=device),
+        torch.tensor([batch.context_lens[i] for i in decode], device=device),
+    )

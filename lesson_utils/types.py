@@ -1,0 +1,152 @@
+"""The course's shared vocabulary: what every layer of the engine speaks, defined once, on the ground floor.
+
+* the errors: :class:`OutOfBlocks` / :class:`OutOfSlots` (no room *now*: schedulers catch them, then wait or
+  preempt) and :class:`NeverFits` (no room ever: refused at the door);
+* the four slot kinds of the paper's Fig. 2 (``TOKEN``, ``RESERVED``, ``INTERNAL``, ``FREE``), for memory maps;
+* :class:`Request` (what arrives) and :class:`Sequence` (a request being served);
+* :class:`MemoryManager`, the protocol between the scheduler and any KV memory manager.
+
+``lesson_utils.memory`` and ``lesson_utils.serving`` both stand on this module and never on each other: the
+scheduler reaches a memory manager only through :class:`MemoryManager`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+
+# ---- errors ------------------------------------------------------------------------------------------
+class OutOfBlocks(RuntimeError):
+    """No free block right now. Not a crash: schedulers catch it and wait or preempt."""
+
+
+class OutOfSlots(RuntimeError):
+    """No hole is large enough *right now*; the request may fit later. Schedulers catch this."""
+
+
+class NeverFits(ValueError):
+    """The request is larger than the whole cache (or the model's context): waiting will never help."""
+
+
+# ---- slot kinds (one byte per slot in memory maps) -----------------------------------------------------
+TOKEN, RESERVED, INTERNAL, FREE = 0, 1, 2, 3
+KIND_NAMES = ("token states", "reserved", "internal fragmentation", "external fragmentation")
+
+
+# ---- requests and sequences ---------------------------------------------------------------------------
+@dataclass
+class Request:
+    """One request: when it arrives, how long its prompt is, how many tokens it will generate.
+
+    ``prompt_ids`` is filled only for runs through a real model; ``shared_prefix_len`` counts the leading
+    prompt tokens shared with other requests (a system prompt), 0 when none.
+    """
+
+    req_id: int
+    arrival_s: float
+    prompt_len: int
+    output_len: int
+    prompt_ids: list[int] | None = None
+    shared_prefix_len: int = 0
+    tags: dict = field(default_factory=dict)
+
+    @property
+    def total_len(self) -> int:
+        return self.prompt_len + self.output_len
+
+
+@dataclass(eq=False)
+class Sequence:
+    """A request being served. ``len`` = prompt tokens + tokens generated so far.
+
+    ``kv_len`` counts the tokens whose K/V are in the cache (the real engine's runner feeds
+    ``token_ids[kv_len:]`` next step); a preempted sequence drops back to 0 and is prefilled again.
+    ``eos_token_id`` ends the sequence early when generated (real runs only; simulations know lengths).
+    """
+
+    request: Request
+    num_generated: int = 0
+    admitted_step: int | None = None
+    first_token_step: int | None = None
+    finished_step: int | None = None
+    output_ids: list[int] = field(default_factory=list)
+    eos_token_id: int | None = None
+    kv_len: int = 0
+    preemptions: int = 0
+    temperature: float = 0.0  # 0 = greedy
+    generator: object = None  # a torch.Generator for sampling
+    pending_forks: int = 0  # parallel sampling: siblings still to fork after the prefill
+    last_logits: object = None
+    samples: list = field(default_factory=list)
+    added_at: float = 0.0
+    first_token_s: float | None = None  # time to first token, seconds (real runs)
+    finished_s: float | None = None  # time from arrival to the last token, seconds (real runs)
+    aborted: bool = False  # cancelled before it finished (its memory is given back at once)
+
+    @property
+    def seq_id(self) -> int:
+        return self.request.req_id
+
+    @property
+    def len(self) -> int:
+        return self.request.prompt_len + self.num_generated
+
+    @property
+    def final_len(self) -> int:
+        """Length once finished (known to the simulator; only the Oracle policy may use it)."""
+        return self.request.prompt_len + self.request.output_len
+
+    @property
+    def is_finished(self) -> bool:
+        if self.num_generated >= self.request.output_len:
+            return True
+        return self.eos_token_id is not None and bool(self.output_ids) and self.output_ids[-1] == self.eos_token_id
+
+    @property
+    def token_ids(self) -> list[int]:
+        """Prompt then generated ids (real runs only)."""
+        return list(self.request.prompt_ids or []) + self.output_ids
+
+
+# ---- the scheduler / memory-manager protocol ----------------------------------------------------------
+class MemoryManager(Protocol):
+    """What the scheduler, the engine and the simulator ask of a KV memory manager (contiguous in lesson 02,
+    paged in lesson 03, sharing in lesson 05). Every manager has every member: one that has nothing to do
+    for a hook does nothing (no ``getattr`` probing by its callers)."""
+
+    total_slots: int
+    name: str
+    watermark_blocks: int  # free blocks kept back from admission (0 where there are no blocks)
+    can_fork: bool  # True where sequences can share blocks (fork for parallel sampling and beam search)
+
+    @property
+    def num_free_blocks(self) -> int | None:
+        """Free blocks now; None for a manager without blocks (contiguous reservations)."""
+
+    def cache_computed(self, seq: Sequence) -> None:
+        """After a forward pass: register ``seq``'s full, computed blocks in the prefix cache (if any)."""
+
+    def external_fragmentation(self) -> float:
+        """How scattered free memory is (nan where it cannot be: paged memory has no holes)."""
+
+    def slot_kinds(self):
+        """Every slot's kind, for memory maps (a numpy array), or None where not recorded."""
+
+    def check_admissible(self, seq: Sequence) -> None:
+        """Raise ``NeverFits`` if ``seq`` could not run even in an empty cache."""
+
+    def can_allocate(self, seq: Sequence) -> bool:
+        """Would :meth:`allocate` succeed now?"""
+
+    def allocate(self, seq: Sequence) -> None:
+        """Admit ``seq``: give it memory for its prompt (and whatever the policy reserves)."""
+
+    def append_slot(self, seq: Sequence) -> None:
+        """``seq`` is about to grow by one token: make sure that token has a slot."""
+
+    def free(self, seq: Sequence) -> None:
+        """``seq`` finished: take all of its memory back."""
+
+    def breakdown(self) -> dict[str, int]:
+        """Slots by kind: token states, reserved, internal fragmentation, free (sums to total_slots)."""
