@@ -83,6 +83,16 @@ class Sequence:
     first_token_s: float | None = None  # time to first token, seconds (real runs)
     finished_s: float | None = None  # time from arrival to the last token, seconds (real runs)
     aborted: bool = False  # cancelled before it finished (its memory is given back at once)
+    beam: object = None  # the serving.beam_search.BeamGroup this sequence is a beam of, if any
+
+    def append_token(self, token: int | None, step: int) -> None:
+        """The one place a sequence grows: ``token`` generated at ``step`` (None in a simulation, which knows
+        lengths, not ids). Its K/V are computed next step, when it is fed."""
+        if token is not None:
+            self.output_ids.append(token)
+        self.num_generated += 1
+        if self.first_token_step is None:
+            self.first_token_step = step
 
     @property
     def seq_id(self) -> int:
@@ -147,6 +157,16 @@ class MemoryManager(Protocol):
 
     def free(self, seq: Sequence) -> None:
         """``seq`` finished: take all of its memory back."""
+
+    def pop_copies(self) -> list[tuple[int, int]]:
+        """Block copies ``(src, dst)`` this step's reservations need before its writes (copy-on-write of
+        shared blocks), handed over once; ``[]`` where nothing is shared."""
+
+    def fork(self, parent_id: int, child_id: int) -> None:
+        """(``can_fork`` managers) Give ``child_id`` the parent's blocks, shared, without copying."""
+
+    def sharing(self) -> tuple[int, int]:
+        """(``can_fork`` managers) Blocks the tables would hold without sharing, and distinct blocks held."""
 
     def breakdown(self) -> dict[str, int]:
         """Slots by kind: token states, reserved, internal fragmentation, free (sums to total_slots)."""

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 
+from lesson_utils.cache.paged import PagedKVCache
 from lesson_utils.identity import near_tie_threshold
 
 # top-1 minus top-2 logit along HF's greedy path: the identity rule's fp32 near-tie threshold (fp32 noise ~1e-6)
@@ -109,3 +110,13 @@ def assert_simulation_complete(res, requests, total_slots: int) -> None:
     assert sorted(s.seq_id for s in res.finished) == sorted(r.req_id for r in requests)
     assert all(s.num_generated == s.request.output_len for s in res.finished)
     assert np.all(sum(res.kinds[k] for k in simulator.KINDS) == total_slots)
+
+
+class ReservingPagedKVCache(PagedKVCache):
+    """The paged cache for tests that drive the forward pass without a scheduler (``generate_greedy``, bare
+    ``forward`` calls): it reserves each step's slots itself, as the scheduler would, before ``prepare``."""
+
+    def prepare(self, batch) -> None:
+        for sid, clen in zip(batch.seq_ids, batch.context_lens):
+            self.manager.ensure_capacity(sid, clen)
+        super().prepare(batch)

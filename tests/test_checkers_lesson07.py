@@ -6,7 +6,8 @@ import pytest
 from helpers import rejected
 
 from lesson_utils.checks import lesson07
-from lesson_utils.serving.engine import default_step
+from lesson_utils.serving.scheduler import StepPlan
+from lesson_utils.serving.step import serve_step
 
 pytestmark = pytest.mark.usefixtures("not_strict")
 
@@ -21,41 +22,49 @@ def w():
 
 
 def test_reference_passes(w):
-    assert lesson07.check_engine_step(default_step, w).passed
+    assert lesson07.check_engine_step(serve_step, w).passed
 
 
 def test_mistakes(w):
     def no_retire(s, r, m, step):
-        s.admit(step)
-        s.reserve_next_slots()
-        r.execute(s.running, step)
-        for q in s.running:
+        plan = s.schedule(step)
+        r.execute(plan)
+        for q in plan.scheduled:
             m.cache_computed(q)
-        return []
+        return plan, []
 
-    def no_room(s, r, m, step):
+    def no_room(s, r, m, step):  # admits, but never makes room for the next token
         s.admit(step)
-        r.execute(s.running, step)
-        for q in s.running:
+        plan = StepPlan(step, list(s.running))
+        r.execute(plan)
+        for q in plan.scheduled:
             m.cache_computed(q)
-        return s.retire_finished(step)
+        return plan, s.retire_finished(step)
 
     def run_then_admit(s, r, m, step):
         s.reserve_next_slots()
-        r.execute(s.running, step)
-        for q in s.running:
+        plan = StepPlan(step, list(s.running))
+        r.execute(plan)
+        for q in plan.scheduled:
             m.cache_computed(q)
         done = s.retire_finished(step)
         s.admit(step)
-        return done
+        return plan, done
 
     def no_cache(s, r, m, step):
-        s.admit(step)
-        s.reserve_next_slots()
-        r.execute(s.running, step)
+        plan = s.schedule(step)
+        r.execute(plan)
+        return plan, s.retire_finished(step)
+
+    def returns_only_the_finished(s, r, m, step):
+        plan = s.schedule(step)
+        r.execute(plan)
+        for q in plan.scheduled:
+            m.cache_computed(q)
         return s.retire_finished(step)
 
     assert rejected(lesson07.check_engine_step(no_retire, w), "leave the batch")
-    assert rejected(lesson07.check_engine_step(no_room, w), "room for every running sequence")
+    assert rejected(lesson07.check_engine_step(no_room, w), "reserve them first")
+    assert rejected(lesson07.check_engine_step(returns_only_the_finished, w), "a step returns (plan, finished)")
     assert rejected(lesson07.check_engine_step(run_then_admit, w), "in which step is a new request prefilled")
     assert rejected(lesson07.check_engine_step(no_cache, w), "when are computed blocks registered")

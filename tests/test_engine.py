@@ -21,7 +21,7 @@ import dataclasses
 import random
 
 import pytest
-from helpers import assert_simulation_complete, hf_greedy
+from helpers import ReservingPagedKVCache, assert_simulation_complete, hf_greedy
 
 from lesson_utils import workloads
 from lesson_utils.cache.paged import PagedKVCache
@@ -92,7 +92,7 @@ def assert_all_free(manager: BlockManager) -> None:
 @pytest.mark.parametrize("block_size", [1, 4, 16])
 def test_generate_greedy_through_paged_cache_matches_hf(tiny, prompts, expected, block_size):
     _, w = tiny
-    cache = PagedKVCache.for_model(w, plenty_of_blocks(block_size), block_size)
+    cache = ReservingPagedKVCache.for_model(w, plenty_of_blocks(block_size), block_size)
     seen = spy_on_frees(cache.manager)
     got = generate_greedy(w, cache, prompts, N_NEW)
     assert got == expected
@@ -130,7 +130,7 @@ def test_early_eos_stops_the_same_way_as_hf(tiny, prompts, expected):
     w_eos = dataclasses.replace(w, eos_token_id=eos)
     want = [hf_greedy(model, p, N_NEW, eos) for p in prompts]
     assert any(len(o) < N_NEW for o in want) and any(len(o) == N_NEW for o in want)
-    cache = PagedKVCache.for_model(w_eos, plenty_of_blocks(4), 4)
+    cache = ReservingPagedKVCache.for_model(w_eos, plenty_of_blocks(4), 4)
     assert generate_greedy(w_eos, cache, prompts, N_NEW) == want
     assert_all_free(cache.manager)
     engine = Engine(w_eos, PagedKVCache.for_model(w_eos, plenty_of_blocks(4), 4))

@@ -8,9 +8,9 @@ import copy
 
 import pytest
 import torch
+from helpers import ReservingPagedKVCache
 
 from lesson_utils import identity
-from lesson_utils.cache.paged import PagedKVCache
 from lesson_utils.cache.seam import StepBatch
 from lesson_utils.model.opt_forward import OPTWeights, forward
 
@@ -96,7 +96,7 @@ def test_fp16_threshold_is_far_above_this_forward_s_own_rounding(tiny):
     model = copy.deepcopy(tiny[0]).half()
     w = OPTWeights.from_hf(model)
     prompt = [2] + list(range(10, 70))
-    cache = PagedKVCache.for_model(w, num_blocks=8, block_size=16)
+    cache = ReservingPagedKVCache.for_model(w, num_blocks=8, block_size=16)
     ours = forward(w, StepBatch.build([0], [prompt], [0]), cache, last_only=False).float()
     with torch.no_grad():
         hf = model(input_ids=torch.tensor([prompt])).logits[0].float()

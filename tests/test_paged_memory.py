@@ -25,7 +25,7 @@ import time
 import numpy as np
 import pytest
 import torch
-from helpers import step_beside_dense
+from helpers import ReservingPagedKVCache, step_beside_dense
 from hypothesis import event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
@@ -557,7 +557,7 @@ def test_paged_cache_matches_dense_reference(block_size, batched_decode):
     layers, heads, dim, num_blocks = 2, 3, 8, 64
     manager = BlockManager(num_blocks, block_size, watermark=0.0)
     scramble_free_queue(manager.allocator, seed=block_size)
-    ours = PagedKVCache(layers, heads, dim, manager, batched_decode=batched_decode)
+    ours = ReservingPagedKVCache(layers, heads, dim, manager, batched_decode=batched_decode)
     ref = DenseKVCache(layers)
     lens: dict[int, int] = {0: 0, 1: 0, 2: 0}
     batched_steps = 0

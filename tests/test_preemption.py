@@ -483,10 +483,11 @@ class CheckingRunner(simulator.AccountingRunner):
             for o in range(bs):
                 self.cpu[c, o] = self.gpu.get((g, o))
 
-    def _shadow_step(self, running, step):
+    def _shadow_step(self, plan):
+        running, step = plan.scheduled, plan.step
         m = self.sch.manager
         bs = m.block_size
-        for src, dst in m.pop_copies():
+        for src, dst in plan.copies:
             for o in range(bs):
                 self.gpu[dst, o] = self.gpu.get((src, o))
         for s in running:
@@ -499,10 +500,12 @@ class CheckingRunner(simulator.AccountingRunner):
             for p in range(s.kv_len, s.len):  # the forward writes every token not yet in the cache
                 self.gpu[blocks[p // bs], p % bs] = self.content(s, p)
 
-    def execute(self, running, step):
+    def execute(self, plan):
+        running, step = plan.scheduled, plan.step
         sch = self.sch
         check_step(sch)
-        self._shadow_step(running, step)
+        self.apply(plan)
+        self._shadow_step(plan)
         for s in running:  # room was made for the token about to be generated, and nothing more
             assert sch.manager.tables[s.seq_id].num_tokens == s.len + 1
         tokens = sum(s.len - s.kv_len for s in running)
@@ -514,7 +517,7 @@ class CheckingRunner(simulator.AccountingRunner):
         if budget is not None and (not self.children or prefills):
             assert tokens <= budget or len(running) == 1, f"step {step}: {tokens} tokens over the budget {budget}"
         self.steps += 1
-        super().execute(running, step)
+        super().execute(plan)
         for s in list(running):  # parallel sampling, as the engine does it: fork after the first step
             if s.request.tags.get("n", 1) > 1 and not getattr(s, "forked", False):
                 s.forked = True
@@ -527,7 +530,7 @@ class CheckingRunner(simulator.AccountingRunner):
                         kv_len=s.kv_len,
                     )
                     sch.manager.fork(s.seq_id, child.seq_id)
-                    running.append(child)
+                    sch.running.append(child)
                     self.children.append(child.seq_id)
 
 
@@ -774,9 +777,9 @@ def test_admission_stops_at_the_token_budget():
         sch.add(Sequence(Request(i, 0.0, p, o)))
     runner, admitted = CheckingRunner(sch), []  # the runner checks the budget every step
     for step in range(4):
-        admitted.append([s.seq_id for s in sch.admit(step)])
-        sch.reserve_next_slots()
-        runner.execute(sch.running, step)
+        plan = sch.schedule(step)
+        admitted.append([s.seq_id for s in plan.admitted])
+        runner.execute(plan)
         sch.retire_finished(step)
     assert admitted == [[0, 1], [2, 3], [], [4, 5]]
     assert [s.seq_id for s in sch.finished] == [0, 1, 2, 3, 5]
@@ -842,8 +845,7 @@ def _drive(sch: CheckedScheduler, arrivals: dict[int, list[Sequence]], steps: in
         free, ins, adm = sch.manager.allocator.num_free, len(sch.swap_ins), len(sch.admissions)
         plan = sch.schedule(step)
         entry = dict(step=step, free_before=free, back=sch.swap_ins[ins:], admitted=sch.admissions[adm:])
-        runner.apply(plan)
-        runner.execute(sch.running, step)
+        runner.execute(plan)
         entry.update(
             running=[s.seq_id for s in sch.running],
             swapped=[s.seq_id for s in sch.swapped],

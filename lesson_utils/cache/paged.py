@@ -5,7 +5,7 @@ Per layer, ``k_cache[layer]`` and ``v_cache[layer]`` have shape
 Which blocks belong to which sequence is the :class:`~lesson_utils.memory.block_manager.BlockManager`'s
 business; this class only moves K/V in and out:
 
-* ``prepare``: make sure every sequence's table covers its new tokens, compute the slot mapping;
+* ``prepare``: compute the slot mapping through the block tables the scheduler has grown for this step;
 * ``write``: scatter the new K/V into their slots;
 * ``attend``: gather each sequence's K/V through its block table and attend (plain torch; lesson 04
   swaps in a Triton kernel for the decode case).
@@ -93,13 +93,18 @@ class PagedKVCache:
         return 2 * len(self.k_cache) * k[0].numel() * k.element_size()
 
     def prepare(self, batch: StepBatch) -> None:
+        """The step's slot mapping and block tables. Allocates nothing: the scheduler reserved every slot this
+        step writes (and made shared blocks writable) before the forward pass; a sequence without them is refused."""
         tables = []
-        for sid, qlen, clen in zip(batch.seq_ids, batch.query_lens, batch.context_lens):
-            table = self.manager.ensure_capacity(sid, clen)
-            self.manager.make_writable(sid, clen - qlen, clen)  # lesson 05: copy-on-write (a no-op unshared)
+        for sid, clen in zip(batch.seq_ids, batch.context_lens):
+            table = self.manager.tables.get(sid)
+            if table is None or table.num_tokens < clen:
+                have = "no blocks" if table is None else f"slots for {table.num_tokens} tokens"
+                raise ValueError(
+                    f"sequence {sid} holds {have}, but this step writes its tokens up to position {clen - 1}: "
+                    "reserve them first (the memory manager's allocate / append_slot, which the scheduler calls)"
+                )
             tables.append(table.blocks)
-        for src, dst in self.manager.pop_copies():
-            self.copy_block(src, dst)
         batch.meta = AttentionMetadata(
             self._slot_mapping(batch, tables, self.block_size),
             tables,

@@ -8,7 +8,9 @@ import torch
 
 from lesson_utils.cache.paged import PagedKVCache
 from lesson_utils.memory.sharing import SharingBlockManager
-from lesson_utils.serving.engine import Engine, ModelRunner, default_step
+from lesson_utils.serving.engine import Engine
+from lesson_utils.serving.model_runner import ModelRunner
+from lesson_utils.serving.step import serve_step
 from lesson_utils.types import OutOfBlocks
 
 from .core import CheckResult, failed, not_implemented, passed
@@ -56,44 +58,44 @@ def _run(w, step_fn, prompts, max_new, num_blocks) -> _Run:
 
 
 def check_engine_step(fn, w) -> CheckResult:
-    """Exercise 07-1: admit, make room, run, register computed blocks, retire - in that order."""
+    """Exercise 07-1: schedule (admit, make room), run, register computed blocks, retire - in that order."""
     name = "engine_step"
     g = torch.Generator().manual_seed(7)
     shared = [w.bos_token_id] + torch.randint(4, w.vocab_size, (12,), generator=g).tolist()
     prompts = [shared + torch.randint(4, w.vocab_size, (n,), generator=g).tolist() for n in (1, 3, 6, 2)]
-    ref = _run(w, default_step, prompts, 6, 12)
+    ref = _run(w, serve_step, prompts, 6, 12)
     try:
         got = _run(w, fn, prompts, 6, 12)
     except NotImplementedError:
-        return not_implemented(name, default_step)
+        return not_implemented(name, serve_step)
     except TimeoutError as err:
-        return failed(name, f"{err}: do finished sequences ever leave the batch?", default_step)
+        return failed(name, f"{err}: do finished sequences ever leave the batch?", serve_step)
     except OutOfBlocks as err:
         return failed(
             name,
             f"the model ran out of blocks ({err}): was there room for every running sequence's next "
             "token before the model ran? (the scheduler can make it, preempting if memory is short)",
-            default_step,
+            serve_step,
         )
     except Exception as err:  # noqa: BLE001
-        return failed(name, f"your step raised {type(err).__name__}: {err}", default_step)
+        return failed(name, f"your step raised {type(err).__name__}: {err}", serve_step)
     if got.outputs != ref.outputs:
         bad = next(i for i, (a, b) in enumerate(zip(got.outputs, ref.outputs)) if a != b)
-        return failed(name, f"request {bad} generated {got.outputs[bad]}; expected {ref.outputs[bad]}", default_step)
+        return failed(name, f"request {bad} generated {got.outputs[bad]}; expected {ref.outputs[bad]}", serve_step)
     if got.hits != ref.hits or got.registered != ref.registered:
         return failed(
             name,
             f"outputs are right, but the prefix cache served {got.hits} prompt tokens (expected "
             f"{ref.hits}) and holds {len(got.registered)} registered blocks (expected {len(ref.registered)}): "
             "when are computed blocks registered?",
-            default_step,
+            serve_step,
         )
     if len(got.finished_per_step) > len(ref.finished_per_step):
         return failed(
             name,
             f"serving took {len(got.finished_per_step)} steps instead of {len(ref.finished_per_step)}: "
             "in which step is a new request prefilled with your order of phases?",
-            default_step,
+            serve_step,
         )
     if got.finished_per_step != ref.finished_per_step:
         step = next(i for i, (a, b) in enumerate(zip(got.finished_per_step, ref.finished_per_step)) if a != b)
@@ -101,7 +103,7 @@ def check_engine_step(fn, w) -> CheckResult:
             name,
             f"at step {step} your step returned sequences {got.finished_per_step[step]} as finished; "
             f"expected {ref.finished_per_step[step]} (what should a step return?)",
-            default_step,
+            serve_step,
         )
     for (ids, g), (ref_ids, r) in zip(got.logits, ref.logits):
         if ids != ref_ids or g.shape != r.shape or not torch.allclose(g, r, atol=1e-4, rtol=1e-4):
@@ -109,7 +111,7 @@ def check_engine_step(fn, w) -> CheckResult:
                 name,
                 "same tokens, but the model computed other logits along the way: is every step "
                 "running the model once, over the right sequences?",
-                default_step,
+                serve_step,
             )
     return passed(
         name,

@@ -68,6 +68,14 @@ class BlockManager:
         """The copies :meth:`pop_copies` would return, without taking them (a swap reads them)."""
         return []
 
+    def fork(self, parent_id: int, child_id: int) -> None:
+        raise ValueError("this block manager shares nothing and cannot fork: use lesson 05's SharingBlockManager")
+
+    def sharing(self) -> tuple[int, int]:
+        """(blocks the tables would hold without sharing, distinct blocks they hold)."""
+        logical = sum(len(t.blocks) for t in self.tables.values())
+        return logical, len({b for t in self.tables.values() for b in t.blocks})
+
     def forget_prefix(self, seq_id: int) -> None:
         """``seq_id`` leaves the GPU (swapped out): drop what the prefix cache keeps per sequence (nothing here)."""
 

@@ -122,6 +122,15 @@ class ContiguousReservationManager:
     def cache_computed(self, seq: Sequence) -> None:
         """Nothing to register: contiguous reservations have no prefix cache."""
 
+    def pop_copies(self) -> list[tuple[int, int]]:
+        return []  # nothing is shared
+
+    def fork(self, parent_id: int, child_id: int) -> None:
+        raise ValueError("contiguous reservations cannot be shared: this manager cannot fork")
+
+    def sharing(self) -> tuple[int, int]:
+        return len(self.seqs), len(self.seqs)
+
     def breakdown(self) -> dict[str, int]:
         token = reserved = internal = 0
         for sid, seq in self.seqs.items():

@@ -194,12 +194,6 @@ class SharingBlockManager(BlockManager):
             self.pool.decref(block_id)
 
     # ---- accounting -----------------------------------------------------------------------------
-    def sharing(self) -> tuple[int, int]:
-        """(blocks the tables would hold without sharing, distinct blocks they hold)."""
-        logical = sum(len(t.blocks) for t in self.tables.values())
-        physical = len({b for t in self.tables.values() for b in t.blocks})
-        return logical, physical
-
     def breakdown(self) -> dict[str, int]:
         held = {b for t in self.tables.values() for b in t.blocks}
         # a shared block counts once; its filled slots are the largest fill any holder reports

@@ -6,30 +6,33 @@ Three pieces, each replaceable:
 * the **memory manager** (the :class:`~lesson_utils.memory.block_manager.BlockManager` inside a
   :class:`~lesson_utils.cache.paged.PagedKVCache`, or lesson 05's
   :class:`~lesson_utils.memory.sharing.SharingBlockManager`) decides where their K/V live;
-* the **model runner** runs one forward step over everyone scheduled: new sequences are prefilled
-  (all their tokens not yet in the cache), running ones decode one token, side by side in one flat batch.
+* the **model runner** (:class:`~lesson_utils.serving.model_runner.ModelRunner`) runs one forward step over
+  everyone scheduled: new sequences are prefilled (all their tokens not yet in the cache), running ones decode
+  one token, side by side in one flat batch.
 
-Replace the model runner with the accounting runner and you have the simulator (lesson 02): the same
-scheduler and memory manager objects make the same decisions.
+Each :meth:`Engine.step` is one :func:`~lesson_utils.serving.step.serve_step` (or lesson 07's version of it):
+the simulator (lesson 02) runs the same function with the accounting runner in place of the model runner, so
+the same scheduler and memory manager objects make the same decisions.
 
 Lesson 05 adds: registering computed blocks in the prefix cache after each step, parallel sampling
-(``n`` samples of one prompt share its blocks by forking after the prefill) and beam search (beams fork
-and die; copy-on-write keeps their diverging last blocks apart).
+(``n`` samples of one prompt share its blocks by forking after the prefill) and beam search (a group of beams
+that fork and die; copy-on-write keeps their diverging last blocks apart), both served by the scheduler.
 """
 
 from __future__ import annotations
 
 import numbers
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import torch
 
-from lesson_utils.cache.seam import StepBatch
-from lesson_utils.model.opt_forward import OPTWeights, forward
+from lesson_utils.model.opt_forward import OPTWeights
+from lesson_utils.serving.beam_search import BeamGroup
+from lesson_utils.serving.model_runner import ModelRunner
 from lesson_utils.serving.scheduler import FCFSScheduler, StepPlan
-from lesson_utils.serving.step import serve_step
-from lesson_utils.types import OutOfBlocks, Request, Sequence
+from lesson_utils.serving.step import StepResult, serve_step
+from lesson_utils.types import Request, Sequence
 
 
 def check_token_ids(ids, vocab_size: int, what: str = "prompt") -> list[int]:
@@ -61,61 +64,6 @@ def check_token_ids(ids, vocab_size: int, what: str = "prompt") -> list[int]:
     return out
 
 
-class ModelRunner:
-    """Runs the OPT forward for a step and picks each sequence's next token."""
-
-    def __init__(self, w: OPTWeights, cache, swap_space=None):
-        self.w, self.cache, self.swap_space = w, cache, swap_space
-
-    def apply(self, plan: StepPlan) -> None:
-        """Make the plan's block copies in the cache before the forward pass (swap-ins first)."""
-        if plan.swap_in or plan.swap_out:
-            self.cache.swap_in(plan.swap_in, self.swap_space)
-            self.cache.swap_out(plan.swap_out, self.swap_space)
-
-    def logits(self, seqs: list[Sequence]) -> torch.Tensor:
-        """Feed every sequence the tokens not yet in the cache; logits of each one's last token."""
-        device = self.w.embed_tokens.device
-        tokens = [seq.token_ids[seq.kv_len :] for seq in seqs]
-        batch = StepBatch.build([s.seq_id for s in seqs], tokens, [s.kv_len for s in seqs], device=device)
-        out = forward(self.w, batch, self.cache, last_only=True)
-        for seq in seqs:
-            seq.kv_len = len(seq.token_ids)
-        return out
-
-    @classmethod
-    def sample(cls, seq: Sequence, logits: torch.Tensor) -> int:
-        """One sequence's next token from its logits row (a forked sample's first token)."""
-        return cls.next_tokens([seq], logits[None])[0]
-
-    @staticmethod
-    def next_tokens(seqs: list[Sequence], logits: torch.Tensor) -> list[int]:
-        """Every sequence's next token with at most two device-to-host syncs for the whole step: one for the
-        greedy rows' argmax, one for the sampled rows' probabilities (each sampled on the host with its own
-        generator, so a seed gives the same tokens on any device)."""
-        tokens = logits.argmax(dim=-1).tolist()
-        sampled = [i for i, s in enumerate(seqs) if s.temperature > 0]
-        if sampled:
-            temps = torch.tensor([seqs[i].temperature for i in sampled], device=logits.device)[:, None]
-            rows = torch.tensor(sampled, device=logits.device)
-            probs = torch.softmax(logits[rows].float() / temps, dim=-1).cpu()
-            for i, p in zip(sampled, probs):
-                tokens[i] = int(torch.multinomial(p, 1, generator=seqs[i].generator))
-        return tokens
-
-    def execute(self, running: list[Sequence], step: int) -> None:
-        if not running:
-            return
-        logits = self.logits(running)
-        for seq, row, token in zip(running, logits, self.next_tokens(running, logits)):
-            if seq.pending_forks:
-                seq.last_logits = row  # its forked siblings sample their first token from the same logits
-            seq.output_ids.append(token)
-            seq.num_generated += 1
-            if seq.first_token_step is None:
-                seq.first_token_step = step
-
-
 @dataclass
 class StepStats:
     step: int
@@ -130,15 +78,10 @@ class StepStats:
     t: float = 0.0  # time.perf_counter() at the end of the step
 
 
-def default_step(scheduler, runner, manager, step: int) -> list[Sequence]:
-    """One engine iteration, piece by piece (lesson 07's exercise, the reference its checker compares with):
-    admit, make room, run, register, retire - :func:`~lesson_utils.serving.step.serve_step` without swap copies."""
-    scheduler.admit(step)
-    scheduler.reserve_next_slots()
-    runner.execute(scheduler.running, step)
-    for seq in scheduler.running:
-        manager.cache_computed(seq)
-    return scheduler.retire_finished(step)
+def _positive_int(value, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{what} must be an int of at least 1, got {value!r}")
+    return value
 
 
 @dataclass
@@ -153,7 +96,7 @@ class Engine:
     swap_space: object = None  # a lesson_utils.memory.swap.SwapSpace, for preemption_mode="swap"
     max_num_batched_tokens: int | None = None
     scheduler_kw: dict = field(default_factory=dict)  # e.g. a learner's choose_victim / reset
-    step_fn: object = None  # lesson 07: a learner's version of default_step (no swapping, no forks)
+    step_fn: object = serve_step  # lesson 07: a learner's version of serve_step
     stats: list[StepStats] = field(default_factory=list)
 
     def __post_init__(self):
@@ -168,16 +111,29 @@ class Engine:
             **self.scheduler_kw,
         )
         self.runner = ModelRunner(self.w, self.cache, self.swap_space)
-        self._next_id = 0
         self._step = 0
 
     @property
     def manager(self):
         return self.cache.manager
 
-    def _new_id(self) -> int:
-        self._next_id += 1
-        return self._next_id - 1
+    # ---- requests in ---------------------------------------------------------------------------------
+    def _request(self, prompt_ids, max_new_tokens: int, what: str = "prompt") -> Request:
+        prompt_ids = check_token_ids(prompt_ids, self.w.vocab_size, what)
+        _positive_int(max_new_tokens, "max_new_tokens")
+        if len(prompt_ids) + max_new_tokens > self.w.max_positions:
+            raise ValueError(
+                f"a prompt of {len(prompt_ids)} tokens plus {max_new_tokens} new ones exceeds the model's "
+                f"{self.w.max_positions} positions"
+            )
+        return Request(self.scheduler.new_seq_id(), 0.0, len(prompt_ids), max_new_tokens, prompt_ids=prompt_ids)
+
+    def _needs_fork(self, what: str) -> None:
+        if not self.manager.can_fork:
+            raise ValueError(
+                f"{what} by forking, and this cache's memory manager ({type(self.manager).__name__}) cannot "
+                "fork: use a SharingBlockManager (lesson 05)"
+            )
 
     def add_request(
         self,
@@ -192,22 +148,9 @@ class Engine:
 
         Returns the first sample; all ``n`` are in its ``samples`` list once they exist.
         """
-        prompt_ids = check_token_ids(prompt_ids, self.w.vocab_size)
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be an int of at least 1, got {max_new_tokens!r}")
-        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-            raise ValueError(f"n (samples per prompt) must be an int of at least 1, got {n!r}")
-        if n > 1 and not self.manager.can_fork:
-            raise ValueError(
-                f"n={n} samples share the prompt's blocks by forking, and this cache's memory manager "
-                f"({type(self.manager).__name__}) cannot fork: use a SharingBlockManager (lesson 05)"
-            )
-        if len(prompt_ids) + max_new_tokens > self.w.max_positions:
-            raise ValueError(
-                f"a prompt of {len(prompt_ids)} tokens plus {max_new_tokens} new ones exceeds the model's "
-                f"{self.w.max_positions} positions"
-            )
-        req = Request(self._new_id(), 0.0, len(prompt_ids), max_new_tokens, prompt_ids=list(prompt_ids))
+        req = self._request(prompt_ids, max_new_tokens)
+        if _positive_int(n, "n (samples per prompt)") > 1:
+            self._needs_fork(f"n={n} samples share the prompt's blocks")
         seq = Sequence(
             req,
             eos_token_id=self.w.eos_token_id if self.stop_at_eos else None,
@@ -221,6 +164,20 @@ class Engine:
         self.scheduler.add(seq)  # raises NeverFits for a request the cache can never hold
         return seq
 
+    def add_beam_search(self, prompt_ids: list[int], beam_width: int, max_new_tokens: int) -> BeamGroup:
+        """Queue a fixed-length beam search (end-of-sequence is not special); its beams share blocks.
+
+        Returns the group; once it has finished, ``group.best`` is the best beam."""
+        _positive_int(beam_width, "beam_width")
+        req = self._request(prompt_ids, max_new_tokens, "beam-search prompt")
+        self._needs_fork("beam search shares blocks between beams")
+        root = Sequence(req)
+        root.added_at = time.perf_counter()
+        group = BeamGroup(beam_width, [root], [0.0])
+        root.beam = group
+        self.scheduler.add(root)
+        return group
+
     def abort_request(self, seq: Sequence) -> None:
         """Cancel a request (all its samples) wherever it is; every block it holds is free afterwards.
 
@@ -229,86 +186,49 @@ class Engine:
             self.scheduler.abort(sample)
         seq.pending_forks = 0
 
-    def _fork_samples(self, parent: Sequence) -> None:
-        """After the parent's prefill: n-1 siblings share its blocks and sample their own first token."""
-        for i in range(parent.pending_forks):
-            child = Sequence(
-                replace(parent.request, req_id=self._new_id()),
-                num_generated=parent.num_generated,
-                admitted_step=parent.admitted_step,
-                first_token_step=parent.first_token_step,
-                output_ids=list(parent.output_ids[:-1]),
-                eos_token_id=parent.eos_token_id,
-                kv_len=parent.kv_len,
-                temperature=parent.temperature,
-            )
-            if parent.temperature > 0:
-                child.generator = torch.Generator().manual_seed(int(parent.generator.initial_seed()) + 1000 * (i + 1))
-            child.output_ids.append(ModelRunner.sample(child, parent.last_logits))
-            child.added_at = parent.added_at
-            self.manager.fork(parent.seq_id, child.seq_id)
-            parent.samples.append(child)
-            self.scheduler.running.append(child)
-        parent.pending_forks = 0
-        parent.last_logits = None
-
+    # ---- the step -----------------------------------------------------------------------------------
     def step(self) -> list[Sequence]:
-        """One iteration: admit, make room, run the model, register computed blocks, retire."""
-        if self.step_fn is not None:
-            return self._custom_step()
+        """One iteration (:func:`~lesson_utils.serving.step.serve_step`, or ``step_fn``), timed and recorded;
+        returns the sequences that finished in it."""
         t0 = time.perf_counter()
-        sch = self.scheduler
-
-        def fork_samples():  # after the prefill, a parent's n - 1 siblings share its blocks
-            for seq in list(sch.running):
-                if seq.pending_forks:
-                    self._fork_samples(seq)
-
-        plan, done = serve_step(sch, self.runner, self._step, after_run=fork_samples)
+        result = self.step_fn(self.scheduler, self.runner, self.manager, self._step)
+        if not (isinstance(result, tuple) and len(result) == 2 and isinstance(result[0], StepPlan)):
+            raise TypeError(
+                "a step returns (plan, finished): the StepPlan from scheduler.schedule(step) and the list "
+                f"scheduler.retire_finished(step) returns; got {type(result).__name__}"
+            )
+        plan, done = StepResult(*result)
+        done = list(done)
         now = time.perf_counter()
-        preempted, prefill = plan.preempted, plan.prefill_tokens
-        for seq in sch.running + done:
+        for seq in self.scheduler.running + done:
             if seq.first_token_step == self._step and seq.first_token_s is None:
                 seq.first_token_s = now - seq.added_at
-        self._record(t0, now, done, prefill, len(preempted))
-        return done
-
-    def _record(self, t0: float, now: float, done: list[Sequence], prefill: int, preempted: int) -> None:
-        sch = self.scheduler
         for seq in done:
             seq.finished_s = now - seq.added_at
+        self._record(plan, done, t0, now)
+        self._step += 1
+        return done
+
+    def _record(self, plan: StepPlan, done: list[Sequence], t0: float, now: float) -> None:
+        sch = self.scheduler
         free = sch.manager.num_free_blocks
-        free = -1 if free is None else free
         br = sch.manager.breakdown()
         self.stats.append(
             StepStats(
                 self._step,
                 len(sch.running) + len(done),
                 len(sch.waiting),
-                free,
-                prefill,
-                preempted,
+                -1 if free is None else free,
+                plan.prefill_tokens,
+                len(plan.preempted),
                 now - t0,
                 br["token states"],
                 sum(br.values()),
                 now,
             )
         )
-        self._step += 1
 
-    def _custom_step(self) -> list[Sequence]:
-        t0 = time.perf_counter()
-        sch = self.scheduler
-        before = {id(s) for s in sch.running}
-        done = self.step_fn(sch, self.runner, self.manager, self._step)
-        now = time.perf_counter()
-        for seq in sch.running + list(done):
-            if seq.first_token_step == self._step and seq.first_token_s is None:
-                seq.first_token_s = now - seq.added_at
-        prefill = sum(s.len for s in sch.running if id(s) not in before)
-        self._record(t0, now, list(done), prefill, 0)
-        return list(done)
-
+    # ---- serving --------------------------------------------------------------------------------------
     def run(self, progress: bool = False, total: int | None = None) -> None:
         bar = None
         if progress:
@@ -329,79 +249,20 @@ class Engine:
         return [s.output_ids for s in seqs]
 
     def beam_search(self, prompt_ids: list[int], beam_width: int, max_new_tokens: int) -> tuple[list[int], dict]:
-        """Fixed-length beam search (end-of-sequence is not special) sharing blocks between beams.
+        """Serve one beam search to the end (:meth:`add_beam_search`, then steps until it finishes).
 
-        Each step every beam proposes its continuations; the ``beam_width`` best (sum of log-probs, ties by
-        beam then token order) survive. A beam chosen more than once is forked; a beam not chosen is freed.
-        Needs a manager with ``fork`` (lesson 05). Returns the best beam's tokens and sharing statistics.
+        Needs the engine to itself (its sharing statistics count every table) and a manager that can fork.
+        Returns the best beam's tokens and ``{"saving": share of blocks saved by sharing, "cow": copies made}``.
         """
-        if isinstance(beam_width, bool) or not isinstance(beam_width, int) or beam_width < 1:
-            raise ValueError(f"beam_width must be an int of at least 1, got {beam_width!r}")
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be an int of at least 1, got {max_new_tokens!r}")
-        prompt_ids = check_token_ids(prompt_ids, self.w.vocab_size, "beam-search prompt")
-        if len(prompt_ids) + max_new_tokens > self.w.max_positions:
-            raise ValueError(
-                f"a prompt of {len(prompt_ids)} tokens plus {max_new_tokens} new ones exceeds the model's "
-                f"{self.w.max_positions} positions"
-            )
-        if not self.manager.can_fork:
-            raise ValueError(
-                f"beam search shares blocks between beams by forking, and this cache's memory manager "
-                f"({type(self.manager).__name__}) cannot fork: use a SharingBlockManager (lesson 05)"
-            )
         if self.scheduler.has_work:
             raise RuntimeError("beam_search needs the engine to itself: finish the queued requests first")
-        mgr = self.manager
-        root = Sequence(Request(self._new_id(), 0.0, len(prompt_ids), max_new_tokens, prompt_ids=list(prompt_ids)))
-        mgr.check_admissible(root)
-        if not mgr.can_allocate(root):
-            raise OutOfBlocks("not enough free blocks to start the beam search")
-        mgr.allocate(root)
-        beams: list[tuple[Sequence, float]] = [(root, 0.0)]
-        logical = physical = 0
+        group = self.add_beam_search(prompt_ids, beam_width, max_new_tokens)
         try:
-            for _ in range(max_new_tokens):
-                for seq, _ in beams:
-                    mgr.append_slot(seq)
-                logp = torch.log_softmax(self.runner.logits([s for s, _ in beams]).float(), dim=-1).cpu()
-                for seq, _ in beams:
-                    mgr.cache_computed(seq)
-                total = torch.tensor([sc for _, sc in beams])[:, None] + logp
-                order = torch.argsort(-total.flatten(), stable=True)[:beam_width].tolist()
-                vocab = logp.shape[1]
-                chosen = [(i // vocab, i % vocab, float(total.flatten()[i])) for i in order]
-                used: set[int] = set()
-                new_beams = []
-                for bi, tok, score in chosen:  # forks first: a fork copies its parent before it grows
-                    parent = beams[bi][0]
-                    if bi in used:
-                        child = Sequence(
-                            replace(parent.request, req_id=self._new_id()),
-                            num_generated=parent.num_generated,
-                            output_ids=list(parent.output_ids),
-                            kv_len=parent.kv_len,
-                        )
-                        mgr.fork(parent.seq_id, child.seq_id)
-                        new_beams.append((child, tok, score))
-                    else:
-                        used.add(bi)
-                        new_beams.append((parent, tok, score))
-                for bi, (seq, _) in enumerate(beams):
-                    if bi not in used:
-                        mgr.free(seq)
-                for seq, tok, _ in new_beams:
-                    seq.output_ids.append(tok)
-                    seq.num_generated += 1
-                beams = [(seq, score) for seq, _, score in new_beams]
-                lg, ph = mgr.sharing()
-                logical, physical = logical + lg, physical + ph
-        finally:
-            for seq, _ in beams:
-                if seq.seq_id in mgr.tables:
-                    mgr.free(seq)
-        best = max(beams, key=lambda b: b[1])[0]  # max keeps the first of equal scores
-        return best.output_ids, {
-            "saving": 1 - physical / logical if logical else 0.0,
-            "cow": mgr.num_cow,
-        }
+            while group.best is None:
+                self.step()
+        except BaseException:
+            for beam in group.beams:  # a failed search leaves nothing behind
+                if not beam.aborted and beam.finished_step is None:
+                    self.scheduler.abort(beam)
+            raise
+        return group.best.output_ids, {"saving": group.saving, "cow": self.manager.num_cow}

@@ -12,9 +12,12 @@ and one more for each token it generates, from the step that produces it.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
+import torch
+
+from lesson_utils.serving import sampling
 from lesson_utils.types import MemoryManager, OutOfBlocks, Sequence
 
 
@@ -40,15 +43,17 @@ class StepPlan:
     ``scheduled``: the sequences that run this step (each has room for its next token); ``admitted``: those
     new to the cache this step (they prefill); ``preempted``: those pushed out to make room; ``swap_in`` and
     ``swap_out``: the block copies to make before the forward pass, ``(cpu, gpu)`` and ``(gpu, cpu)`` pairs,
-    swap-ins first (a CPU block read in may be reused by a swap-out of the same step).
+    swap-ins first (a CPU block read in may be reused by a swap-out of the same step); ``copies``: the
+    copy-on-write copies ``(src, dst)`` within the GPU cache, made after the swaps.
     """
 
     step: int
     scheduled: list[Sequence]
-    admitted: list[Sequence]
-    preempted: list[Sequence]
-    swap_in: list[tuple[int, int]]
-    swap_out: list[tuple[int, int]]
+    admitted: list[Sequence] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)
+    swap_out: list[tuple[int, int]] = field(default_factory=list)
+    copies: list[tuple[int, int]] = field(default_factory=list)
     prefill_tokens: int = 0  # tokens fed this step for sequences (re)admitted this step
 
 
@@ -117,6 +122,12 @@ class FCFSScheduler:
         self._swap_in: list[tuple[int, int]] = []  # this step's copies, handed over in its StepPlan
         self._swap_out: list[tuple[int, int]] = []
         self._step = 0
+        self._next_id = 0
+
+    def new_seq_id(self) -> int:
+        """A sequence id no sequence of this scheduler has had (requests, forked samples, beams)."""
+        self._next_id += 1
+        return self._next_id - 1
 
     @property
     def num_preemptions(self) -> int:
@@ -139,8 +150,16 @@ class FCFSScheduler:
                 "nothing is running and the head request still does not fit: the cache is too small for it even when empty"
             )
         preempted = self.reserve_next_slots()
-        prefill = sum(s.len - s.kv_len for s in self.running if s.admitted_step == step)
-        return StepPlan(step, list(self.running), admitted, preempted, self._swap_in, self._swap_out, prefill)
+        return StepPlan(
+            step,
+            list(self.running),
+            admitted,
+            preempted,
+            self._swap_in,
+            self._swap_out,
+            self.manager.pop_copies(),
+            sum(s.len - s.kv_len for s in self.running if s.admitted_step == step),
+        )
 
     def admit(self, step: int) -> list[Sequence]:
         """Swap in, then admit what fits; returns the newly admitted (prefilling) sequences."""
@@ -188,8 +207,12 @@ class FCFSScheduler:
             try:
                 self.manager.append_slot(self.running[i])
                 i += 1
-            except OutOfBlocks:
+            except OutOfBlocks as err:
                 victim = self.choose_victim(self.running)
+                if victim.beam is not None:  # a beam cannot wait while its group goes on: the search fails
+                    raise OutOfBlocks(
+                        f"beam search ran out of blocks for its {len(victim.beam.beams)} beams: {err}"
+                    ) from err
                 index = next(k for k, s in enumerate(self.running) if s is victim)
                 self.running.pop(index)
                 if index < i:
@@ -242,7 +265,13 @@ class FCFSScheduler:
         seq.aborted = True
 
     def retire_finished(self, step: int) -> list[Sequence]:
-        """Free every running sequence that has generated all its tokens."""
+        """Settle the step, then free every running sequence that has generated all its tokens: a parent that
+        has just prefilled forks its parallel samples (they share its blocks), beam groups keep their best
+        continuations (forking the beams chosen twice, freeing the ones not chosen)."""
+        for seq in [s for s in self.running if s.pending_forks]:
+            self._fork_samples(seq)
+        for group in list({id(s.beam): s.beam for s in self.running if s.beam is not None}.values()):
+            self._advance_beams(group, step)
         done = [s for s in self.running if s.is_finished]
         for seq in done:
             self.manager.free(seq)
@@ -250,7 +279,67 @@ class FCFSScheduler:
             self.finished.append(seq)
         if done:
             self.running = [s for s in self.running if not s.is_finished]
+        for group in {id(s.beam): s.beam for s in done if s.beam is not None}.values():
+            group.best = max(zip(group.beams, group.scores), key=lambda b: b[1])[0]  # max keeps the first of equals
         return done
+
+    def _fork_samples(self, parent: Sequence) -> None:
+        """After the parent's prefill: n - 1 siblings share its blocks and draw their own first token from
+        its logits (each with its own generator: seeded from the parent's, so a seed repeats on any device)."""
+        for i in range(parent.pending_forks):
+            child = Sequence(
+                replace(parent.request, req_id=self.new_seq_id()),
+                num_generated=parent.num_generated - 1,
+                admitted_step=parent.admitted_step,
+                output_ids=list(parent.output_ids[:-1]),
+                eos_token_id=parent.eos_token_id,
+                kv_len=parent.kv_len,
+                temperature=parent.temperature,
+                added_at=parent.added_at,
+            )
+            if parent.temperature > 0:
+                child.generator = torch.Generator().manual_seed(int(parent.generator.initial_seed()) + 1000 * (i + 1))
+            self.manager.fork(parent.seq_id, child.seq_id)
+            child.append_token(sampling.sample(child, parent.last_logits), parent.first_token_step)
+            parent.samples.append(child)
+            self.running.append(child)
+        parent.pending_forks = 0
+        parent.last_logits = None
+
+    def _advance_beams(self, group, step: int) -> None:
+        """Keep the group's ``width`` best continuations (see :mod:`lesson_utils.serving.beam_search`)."""
+        chosen = group.choose()
+        used: set[int] = set()
+        beams = []
+        for index, token, score in chosen:  # forks first: a fork copies its parent before it grows
+            parent = group.beams[index]
+            if index in used:
+                child = Sequence(
+                    replace(parent.request, req_id=self.new_seq_id()),
+                    num_generated=parent.num_generated,
+                    admitted_step=parent.admitted_step,
+                    first_token_step=parent.first_token_step,
+                    output_ids=list(parent.output_ids),
+                    kv_len=parent.kv_len,
+                    beam=group,
+                )
+                self.manager.fork(parent.seq_id, child.seq_id)
+                beams.append((child, token, score))
+            else:
+                used.add(index)
+                beams.append((parent, token, score))
+        for index, seq in enumerate(group.beams):
+            if index not in used:
+                self.manager.free(seq)
+        for seq, token, _ in beams:
+            seq.last_logits = None
+            seq.append_token(token, step)
+        group.beams, group.scores = [b for b, _, _ in beams], [sc for _, _, sc in beams]
+        logical, physical = self.manager.sharing()
+        group.logical_blocks += logical
+        group.physical_blocks += physical
+        # the group's beams run next step in the order chosen, after everyone else
+        self.running = [s for s in self.running if s.beam is not group] + group.beams
 
     @property
     def has_work(self) -> bool:

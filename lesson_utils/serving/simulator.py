@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from functools import partial
+from typing import Callable
 
 import numpy as np
 
-from lesson_utils.serving.scheduler import FCFSScheduler
+from lesson_utils.serving.scheduler import FCFSScheduler, StepPlan
 from lesson_utils.serving.step import serve_step
 from lesson_utils.types import MemoryManager, Request, Sequence
 
@@ -25,20 +25,22 @@ KINDS = ("token states", "reserved", "internal fragmentation", "free")
 
 
 class AccountingRunner:
-    """Stands in for the model: each running sequence 'generates' one token per step.
+    """Stands in for the model: each scheduled sequence 'generates' one token per step (the scheduler has
+    already made room for it). There is no K/V, so the plan's block copies cost nothing. ``on_step(plan)``,
+    if given, is called once the step's tokens are in - the simulator records memory there, before finished
+    sequences leave."""
 
-    The scheduler has already made room for that token (``reserve_next_slots``).
-    """
+    on_step: Callable[[StepPlan], None] | None = None
 
-    def apply(self, plan) -> None:
-        """Block copies: no K/V here, nothing to copy."""
+    def __init__(self, on_step: Callable[[StepPlan], None] | None = None):
+        self.on_step = on_step
 
-    def execute(self, running: list[Sequence], step: int) -> None:
-        for seq in running:
+    def execute(self, plan: StepPlan) -> None:
+        for seq in plan.scheduled:
             seq.kv_len = seq.len  # everything fed this step is now "computed"
-            seq.num_generated += 1
-            if seq.first_token_step is None:
-                seq.first_token_step = step
+            seq.append_token(None, plan.step)
+        if self.on_step is not None:
+            self.on_step(plan)
 
 
 @dataclass
@@ -106,7 +108,6 @@ def simulate(
     many steps, for pictures. ``max_steps`` stops early (the rest stay unserved).
     """
     scheduler = scheduler or FCFSScheduler(manager, max_num_seqs=max_num_seqs)
-    runner = runner or AccountingRunner()
     pending = sorted(requests, key=lambda r: (r.arrival_s, r.req_id))
     arrival_step = [math.ceil(r.arrival_s / step_time_s - 1e-9) for r in pending]
     for r in pending:
@@ -123,7 +124,8 @@ def simulate(
 
         bar = tqdm(total=len(pending), desc=f"simulating {manager.name}", unit="req", leave=False)
 
-    def record(step: int) -> None:  # memory after the step's tokens are in, before finished sequences leave
+    def record(plan: StepPlan) -> None:  # memory after the step's tokens are in, before finished sequences leave
+        step = plan.step
         br = scheduler.manager.breakdown()
         rec_steps.append(step)
         rec_running.append(len(scheduler.running))
@@ -136,6 +138,8 @@ def simulate(
             if kinds is not None:
                 maps.append((step, kinds[::stride][:map_columns].copy()))
 
+    runner = runner or AccountingRunner()
+    runner.on_step = record  # a runner of the caller's (a subclass, say) records this simulation too
     step, nxt = 0, 0
     while nxt < len(pending) or scheduler.has_work:
         if not scheduler.has_work and arrival_step[nxt] > step:
@@ -144,7 +148,7 @@ def simulate(
             scheduler.add(Sequence(pending[nxt]))
             nxt += 1
 
-        _, done = serve_step(scheduler, runner, step, after_run=partial(record, step))
+        _, done = serve_step(scheduler, runner, scheduler.manager, step)
         if bar is not None and done:
             bar.update(len(done))
         step += 1

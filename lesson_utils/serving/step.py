@@ -1,33 +1,37 @@
 """The serving step: one iteration of every engine in the course, model or no model.
 
-The engine runs it with the model runner (:class:`~lesson_utils.serving.engine.ModelRunner`: a real forward pass), the
-simulator with the accounting runner (:class:`~lesson_utils.serving.simulator.AccountingRunner`: every running sequence
-"generates" a token). Same scheduler, same memory manager, same decisions: what the simulator measures about
-memory is what the engine does.
+The engine runs it with the model runner (:class:`~lesson_utils.serving.model_runner.ModelRunner`: a real
+forward pass), the simulator with the accounting runner
+(:class:`~lesson_utils.serving.simulator.AccountingRunner`: every running sequence "generates" a token). Same
+scheduler, same memory manager, same decisions: what the simulator measures about memory is what the engine
+does. Lesson 07's exercise writes this function; an engine given ``step_fn=`` runs the learner's instead.
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 from lesson_utils.serving.scheduler import StepPlan
-from lesson_utils.types import Sequence
+from lesson_utils.types import MemoryManager, Sequence
 
 
-def serve_step(scheduler, runner, step: int, *, after_run=None) -> tuple[StepPlan, list[Sequence]]:
-    """THE step, shared by the engine (model runner) and the simulator (accounting runner):
+class StepResult(NamedTuple):
+    """What a step returns: the scheduler's plan for it and the sequences that finished in it."""
 
-    1. the scheduler decides (admit, make room, preempt) and returns the :class:`StepPlan`;
+    plan: StepPlan
+    finished: list[Sequence]
+
+
+def serve_step(scheduler, runner, manager: MemoryManager, step: int) -> StepResult:
+    """THE step:
+
+    1. the scheduler decides who runs (admit, make room, preempt) and returns the :class:`StepPlan`;
     2. the runner makes the plan's block copies, then runs every scheduled sequence one token further;
     3. the memory manager registers the blocks just computed (lesson 05's prefix cache);
-    4. ``after_run()`` - the engine forks parallel samples here, the simulator records memory;
-    5. finished sequences retire and give their memory back.
-
-    Returns the plan and the sequences that finished this step.
+    4. the scheduler settles the step: forked samples and chosen beams join, finished sequences leave.
     """
     plan = scheduler.schedule(step)
-    runner.apply(plan)
-    runner.execute(scheduler.running, step)  # the scheduled sequences (the running list itself)
-    for seq in list(scheduler.running):
-        scheduler.manager.cache_computed(seq)
-    if after_run is not None:
-        after_run()
-    return plan, scheduler.retire_finished(step)
+    runner.execute(plan)
+    for seq in plan.scheduled:
+        manager.cache_computed(seq)
+    return StepResult(plan, scheduler.retire_finished(step))

@@ -1,0 +1,41 @@
+"""Beam search as a group of sequences the scheduler serves like any other (lesson 05).
+
+Each step every live beam proposes its continuations; the ``width`` best by summed log-probability survive
+(ties: by beam, then token order). A beam chosen more than once is forked (its blocks shared, copy-on-write
+keeping the diverging last blocks apart); a beam not chosen leaves and frees its blocks. End-of-sequence is
+not special: every beam runs ``max_new_tokens`` steps.
+
+Invariant: between steps, ``group.beams`` are exactly the group's sequences in the scheduler's running queue,
+in that order, and ``group.scores[i]`` is the summed log-probability of ``group.beams[i]``'s generated tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from lesson_utils.types import Sequence
+
+
+@dataclass(eq=False)
+class BeamGroup:
+    width: int
+    beams: list[Sequence] = field(default_factory=list)
+    scores: list[float] = field(default_factory=list)
+    logical_blocks: int = 0  # summed over steps: blocks the beams' tables would hold without sharing
+    physical_blocks: int = 0  # summed over steps: distinct blocks they hold
+    best: Sequence | None = None  # once finished
+
+    def choose(self) -> list[tuple[int, int, float]]:
+        """``(beam index, token, score)`` of the ``width`` best continuations, best first (one host sync)."""
+        logp = torch.log_softmax(torch.stack([b.last_logits for b in self.beams]).float(), dim=-1).cpu()
+        total = (torch.tensor(self.scores)[:, None] + logp).flatten()
+        vocab = logp.shape[1]
+        order = torch.argsort(-total, stable=True)[: self.width].tolist()
+        return [(i // vocab, i % vocab, float(total[i])) for i in order]
+
+    @property
+    def saving(self) -> float:
+        """Share of the beams' blocks that sharing saved, over the whole search."""
+        return 1 - self.physical_blocks / self.logical_blocks if self.logical_blocks else 0.0

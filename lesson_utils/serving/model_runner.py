@@ -1,0 +1,53 @@
+"""The model runner: one forward pass of the OPT model over every sequence a step scheduled."""
+
+from __future__ import annotations
+
+import torch
+
+from lesson_utils.cache.seam import StepBatch
+from lesson_utils.model.opt_forward import OPTWeights, forward
+from lesson_utils.serving import sampling
+from lesson_utils.serving.scheduler import StepPlan
+from lesson_utils.types import Sequence
+
+
+class ModelRunner:
+    """Makes a plan's block copies in the cache, runs the forward pass, and picks each sequence's next token.
+
+    A sequence whose next token is not its own to pick - a beam (its group chooses among all beams' proposals)
+    or a parent whose forked samples draw their first tokens from the same logits - keeps its logits row in
+    ``last_logits`` for the scheduler, which settles them after the step."""
+
+    def __init__(self, w: OPTWeights, cache, swap_space=None):
+        self.w, self.cache, self.swap_space = w, cache, swap_space
+
+    def execute(self, plan: StepPlan) -> None:
+        self.apply(plan)
+        seqs = plan.scheduled
+        if not seqs:
+            return
+        logits = self.logits(seqs)
+        for seq, row, token in zip(seqs, logits, sampling.next_tokens(seqs, logits)):
+            if seq.beam is not None or seq.pending_forks:
+                seq.last_logits = row
+            if seq.beam is None:
+                seq.append_token(token, plan.step)
+
+    def apply(self, plan: StepPlan) -> None:
+        """The plan's block copies, before the forward pass: swap-ins, swap-outs, then copy-on-write copies
+        (a block a swap-out frees may be the destination of a copy-on-write of the same step)."""
+        if plan.swap_in or plan.swap_out:
+            self.cache.swap_in(plan.swap_in, self.swap_space)
+            self.cache.swap_out(plan.swap_out, self.swap_space)
+        for src, dst in plan.copies:
+            self.cache.copy_block(src, dst)
+
+    def logits(self, seqs: list[Sequence]) -> torch.Tensor:
+        """Feed every sequence the tokens not yet in the cache; logits of each one's last token."""
+        device = self.w.embed_tokens.device
+        tokens = [seq.token_ids[seq.kv_len :] for seq in seqs]
+        batch = StepBatch.build([s.seq_id for s in seqs], tokens, [s.kv_len for s in seqs], device=device)
+        out = forward(self.w, batch, self.cache, last_only=True)
+        for seq in seqs:
+            seq.kv_len = len(seq.token_ids)
+        return out

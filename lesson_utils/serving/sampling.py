@@ -1,0 +1,31 @@
+"""Choosing a sequence's next token from its logits: greedy (argmax) or sampled with its own generator.
+
+Model-free: torch on a logits tensor. The model runner calls :func:`next_tokens` for a whole step; the scheduler
+calls :func:`sample` when a forked sample draws its first token from its parent's logits.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from lesson_utils.types import Sequence
+
+
+def next_tokens(seqs: list[Sequence], logits: torch.Tensor) -> list[int]:
+    """Every sequence's next token with at most two device-to-host syncs for the whole step: one for the
+    greedy rows' argmax, one for the sampled rows' probabilities (each sampled on the host with its own
+    generator, so a seed gives the same tokens on any device)."""
+    tokens = logits.argmax(dim=-1).tolist()
+    sampled = [i for i, s in enumerate(seqs) if s.temperature > 0]
+    if sampled:
+        temps = torch.tensor([seqs[i].temperature for i in sampled], device=logits.device)[:, None]
+        rows = torch.tensor(sampled, device=logits.device)
+        probs = torch.softmax(logits[rows].float() / temps, dim=-1).cpu()
+        for i, p in zip(sampled, probs):
+            tokens[i] = int(torch.multinomial(p, 1, generator=seqs[i].generator))
+    return tokens
+
+
+def sample(seq: Sequence, logits: torch.Tensor) -> int:
+    """One sequence's next token from its logits row."""
+    return next_tokens([seq], logits[None])[0]
