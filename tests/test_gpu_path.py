@@ -222,7 +222,7 @@ def test_kernels_without_validation_never_read_back_from_the_device():
         lens = torch.tensor([9, 16], dtype=torch.int32, device=DEVICE)
         with dd.count_syncs() as checked:
             K.paged_attention_decode(q, kc, kc, tables, lens)
-        want = K.paged_attention_reference(q, kc, kc, tables, lens)
+        want = attention.paged_attention_reference(q, kc, kc, tables, lens)
         with dd.count_syncs() as unchecked:
             out = K.paged_attention_decode(q, kc, kc, tables, lens, validate=False)
             K.write_kv_to_cache(q[:, :2], q[:, :2], kc, kc, torch.tensor([3, 40], device=DEVICE), validate=False)

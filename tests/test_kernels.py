@@ -13,6 +13,7 @@ import pytest
 import torch
 from helpers import assert_identical, hf_greedy
 
+from lesson_utils.cache import attention
 from lesson_utils.kernels import paged_attention as K
 
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3}
@@ -42,7 +43,7 @@ def make_case(seed, *, num_seqs, heads, kv_heads, head_dim, block_size, ctxs, dt
 def assert_matches(case, variant="tiled", **kw):
     q, kc, vc, bt, cl = case
     got = K.paged_attention_decode(q, kc, vc, bt, cl, variant=variant, **kw)
-    want = K.paged_attention_reference(q, kc, vc, bt, cl)
+    want = attention.paged_attention_reference(q, kc, vc, bt, cl)
     assert got.dtype == q.dtype and got.shape == q.shape
     err = (got.float() - want.float()).abs().max().item()
     assert err <= TOL[q.dtype], f"max abs error {err:.2e} > {TOL[q.dtype]:.0e}"

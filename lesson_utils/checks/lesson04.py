@@ -12,6 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
+from lesson_utils.cache import attention
 from lesson_utils.kernels import paged_attention as K
 
 from ..device_discipline import kernel_launch
@@ -113,7 +114,7 @@ def _case(seed, ctxs, *, block_size=8, heads=2, kv_heads=1, head_dim=16, spare=N
 def _run_cases(name, cases, kernel_kw, reference_fallback) -> CheckResult:
     for label, what, variant, case in cases:
         q, kc, vc, bt, cl = case
-        want = K.paged_attention_reference(q, kc, vc, bt, cl)
+        want = attention.paged_attention_reference(q, kc, vc, bt, cl)
         try:
             with np.errstate(all="ignore"):  # a wrong kernel may overflow; the checker reports it below
                 got = K.paged_attention_decode(q, kc, vc, bt, cl, variant=variant, **kernel_kw)

@@ -26,14 +26,12 @@ import triton
 import triton.language as tl
 
 from lesson_utils import env  # noqa: F401  (sets TRITON_INTERPRET=1 on a CPU before any kernel is defined)
-from lesson_utils.cache.attention import paged_attention_reference
 from lesson_utils.device_discipline import check_kernel_args, kernel_launch
 
 __all__ = [
     "block_slots",
     "online_softmax_update",
     "paged_attention_decode",
-    "paged_attention_reference",
     "write_kv_to_cache",
     "write_kv_reference",
 ]

@@ -1,0 +1,103 @@
+"""The package's layers, as the README's module map draws them: imports only go down, never in a cycle.
+
+* ``types`` imports nothing of the course; ``memory/`` stands on ``types`` only;
+* ``serving/`` never imports ``memory/``: it reaches a memory manager through the ``MemoryManager`` protocol;
+* nothing in ``lesson_utils`` imports the tooling (``course_tools``) or the notebook machinery (nbformat,
+  nbclient, ipykernel): Colab installs the runtime package alone.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "lesson_utils"
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imports_of(path: Path) -> set[str]:
+    """Every module ``path`` imports, at any depth (function-level imports count too), as absolute names."""
+    package = module_name(path).split(".")
+    if path.name != "__init__.py":
+        package = package[:-1]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(package[: len(package) - node.level + 1] + ([base] if base else []))
+            found.add(base)
+            found |= {f"{base}.{a.name}" for a in node.names}  # "from pkg import module"
+    return found
+
+
+MODULES = {module_name(p): p for p in PACKAGE.rglob("*.py")}
+GRAPH = {m: {i for i in imports_of(p) if i in MODULES and i not in (m, "lesson_utils")} for m, p in MODULES.items()}
+
+
+def layer_of(module: str) -> str:
+    """``lesson_utils.memory.swap`` -> ``memory``; a top-level module is its own layer (``env``, ``identity``...)."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else ""
+
+
+BASE = {"types", "env", "device_discipline"}  # the ground floor anyone may stand on
+ALLOWED = {  # layer -> the layers it may import (besides itself and BASE)
+    "types": set(),
+    "memory": set(),
+    "cache": {"memory", "kernels"},
+    "kernels": set(),  # checked against cache/attention.py's references in the tests, not importing them
+    "model": {"cache"},
+    "serving": {"cache", "model"},
+}
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
+    bad = []
+    for m, deps in graph.items():
+        layer = layer_of(m)
+        if layer not in ALLOWED:
+            continue  # lesson helpers and checkers may use any layer
+        ok = ALLOWED[layer] | {layer} | (BASE if layer != "types" else set())
+        bad += [(m, d) for d in deps if layer_of(d) not in ok]
+    return bad
+
+
+def test_a_layer_imports_nothing_above_it():
+    assert upward_imports(GRAPH) == []
+
+
+def test_the_layer_rule_can_fail():
+    assert upward_imports({"lesson_utils.serving.engine": {"lesson_utils.memory.sharing"}}) != []
+    assert upward_imports({"lesson_utils.memory.swap": {"lesson_utils.serving.scheduler"}}) != []
+    assert upward_imports({"lesson_utils.types": {"lesson_utils.env"}}) != []
+
+
+def test_the_import_graph_has_no_cycle():
+    state: dict[str, int] = {}  # 1 on the stack, 2 done
+
+    def visit(m: str, path: list[str]) -> None:
+        state[m] = 1
+        for d in sorted(GRAPH[m]):
+            if state.get(d) == 1:
+                raise AssertionError("import cycle: " + " -> ".join(path[path.index(d) :] + [d]))
+            if d not in state:
+                visit(d, path + [d])
+        state[m] = 2
+
+    for m in sorted(GRAPH):
+        if m not in state:
+            visit(m, [m])
+
+
+def test_the_runtime_package_needs_no_tooling():
+    for m, p in MODULES.items():
+        bad = {i for i in imports_of(p) if i.split(".")[0] in ("course_tools", "nbformat", "nbclient", "ipykernel")}
+        assert not bad, f"{m} imports {sorted(bad)}: the tooling lives in course_tools (extra [tools])"
