@@ -9,9 +9,10 @@ Three profiles, chosen once per process:
 The profile comes from the ``COURSE_PROFILE`` environment variable (``gpu`` / ``cpu`` / ``ci``); left
 unset it is ``gpu`` when CUDA is available, ``ci`` when the ``CI`` variable is set, else ``cpu``.
 
-Importing this module sets ``TRITON_INTERPRET=1`` unless the profile is ``gpu`` (a ``cpu`` or ``ci`` run on a
-GPU machine has CPU tensors, which compiled kernels cannot read), because Triton reads that variable when a
-kernel is *defined*: it must be set before ``lesson_utils.kernels.paged_attention`` is imported.
+:func:`configure_triton` sets ``TRITON_INTERPRET=1`` unless the profile is ``gpu`` (a ``cpu`` or ``ci`` run on a
+GPU machine has CPU tensors, which compiled kernels cannot read). Triton reads that variable when a kernel is
+*defined*, so :func:`setup` (every notebook's first cell) and importing :mod:`lesson_utils.kernels` call it;
+importing this module changes no environment variable.
 
 With ``COURSE_DEVICE_DISCIPLINE=1`` (CI) the profile's device is ``cpu:0`` and importing this module turns on
 :mod:`lesson_utils.device_discipline`, which makes a CPU run fail where a GPU run would (tensors made on the
@@ -75,16 +76,29 @@ def interpreter_wanted(profile_name: str) -> bool:
     return profile_name != "gpu"
 
 
-def _set_triton_mode() -> None:
+def configure_triton() -> None:
+    """Set ``TRITON_INTERPRET=1`` for every profile but ``gpu``, unless the variable is set already (an explicit
+    ``0`` is kept: :mod:`lesson_utils.kernels.aot` compiles that way). Triton reads it when a kernel is
+    *defined*, so this runs before any is: in :func:`setup` (every notebook's first cell, before a learner's
+    kernel) and when :mod:`lesson_utils.kernels` is imported (before the course's)."""
     try:
         name = _choose_profile()
     except (ValueError, RuntimeError):  # a bad COURSE_PROFILE: get_profile() raises it where it is asked for
         return
-    if interpreter_wanted(name):  # an explicit TRITON_INTERPRET=0 is kept: lesson_utils.kernels.aot compiles that way
+    if interpreter_wanted(name):
         os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
-_set_triton_mode()
+def triton_interpreted() -> bool:
+    """Whether this process's Triton kernels run in the interpreter (what :func:`configure_triton` sets)."""
+    value = os.environ.get("TRITON_INTERPRET")
+    if value is not None:
+        return value == "1"
+    try:
+        return interpreter_wanted(_choose_profile())
+    except (ValueError, RuntimeError):
+        return False
+
 
 if device_discipline.requested():
     device_discipline.enable()
@@ -185,7 +199,7 @@ def banner() -> str:
     p = get_profile()
     v = versions()
     where = "Colab" if in_colab() else "local"
-    mode = "interpreter" if os.environ.get("TRITON_INTERPRET") == "1" else "compiled"
+    mode = "interpreter" if triton_interpreted() else "compiled"
     return (
         f"{p.device_name} | profile {p.name} ({str(p.dtype).replace('torch.', '')}) | {where}\n"
         f"python {v['python']}, torch {v['torch']}, triton {v['triton']} ({mode}), "
@@ -201,12 +215,13 @@ def setup(seed: int = 0) -> Profile:
     import torch
 
     p = get_profile()
+    configure_triton()
     print(banner())
     for line in version_warnings():
         warnings.warn(f"{line}. The course may still work; it was not tested with it.", stacklevel=2)
     if p.name == "ci":
         # CI executes two notebooks at once on two cores: a second intra-op thread per process only
-        # oversubscribes them (measured here: small ops ran 5-30x slower with two threads).
+        # oversubscribes them.
         torch.set_num_threads(1)
     random.seed(seed)
     np.random.seed(seed)

@@ -1,7 +1,9 @@
-"""Loaded before any test module: lesson_utils.env must switch Triton to its interpreter (on a machine
-without CUDA) before anything imports triton - Triton fixes the mode when its own library is imported."""
+"""Loaded before any test module: Triton must be in its interpreter (on a machine without CUDA) before any
+test defines a kernel - Triton fixes the mode when a kernel is defined."""
 
-import lesson_utils.env  # noqa: F401  (first: before anything imports triton)
+from lesson_utils import env
+
+env.configure_triton()
 
 # isort: split
 import torch  # noqa: E402

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import matplotlib
 import pytest
@@ -46,7 +48,16 @@ def test_gpu_profile_without_cuda_is_refused(fresh_profile):
 
 
 def test_triton_interpreter_is_set_without_cuda():
-    assert os.environ.get("TRITON_INTERPRET") == "1"
+    assert os.environ.get("TRITON_INTERPRET") == "1"  # conftest called env.configure_triton()
+    assert env.triton_interpreted()
+
+
+def test_importing_env_changes_no_environment_variable():
+    code = "import os; before = dict(os.environ); import lesson_utils.env; print(dict(os.environ) == before)"
+    environ = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-c", code], env=environ, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split()[-1] == "True"
 
 
 def test_bf16_is_never_chosen_without_ampere():

@@ -446,7 +446,11 @@ def test_pool_counts_references():
     assert [pool.allocate() for _ in range(3)] == [x for x in range(4) if x != b]
     with pytest.raises(OutOfBlocks, match="all 4 blocks are in use"):
         pool.allocate()
-    assert pool.free == pool.decref  # lesson 03's name
+    pool.incref(b)
+    pool.free(b)  # lesson 03's name: one reference fewer, so the block stays held
+    assert pool.ref_count[b] == 1 and not pool.is_free(b)
+    pool.free(b)
+    assert pool.is_free(b) and pool.num_free == 1
 
 
 def test_pool_errors_are_clear_and_change_nothing():
@@ -736,6 +740,6 @@ def test_the_invariant_check_sees_a_free_queue_that_disagrees_with_the_counts():
 
     m = SharingBlockManager(4, 2, watermark=0)
     m.check_invariants()
-    del m.pool._free[3]  # block 3 has count 0 but is no longer in the free queue: it is lost
+    del m.pool._free_queue[3]  # block 3 has count 0 but is no longer in the free queue: it is lost
     with pytest.raises(AssertionError, match="block 3: count 0, not in the free queue"):
         m.check_invariants()

@@ -12,10 +12,9 @@ business; this class only moves K/V in and out:
 
 How ``attend`` spends its time depends on the device. One sequence at a time (gather, then PyTorch's fused
 attention) is what runs on a CPU: a Python loop of a few calls per sequence costs little next to moving K/V,
-and a single batched gather pads every sequence to the longest one (measured once on the course's 2-core
-machine, the loop was the faster by 2-5x; the notebooks measure their own runs). On a GPU each call is a kernel launch, so ``batched_decode`` (on by default for a CUDA
-cache, unless a custom ``gather_fn`` is given - lesson 03's exercise) serves all decoding sequences with one
-padded gather and :func:`~lesson_utils.cache.attention.decode_attention`; lesson 04's kernel does the same without
+while a single batched gather pads every sequence to the longest one (which wins depends on the machine: time both before changing it). On
+a GPU each call is a kernel launch, so ``batched_decode`` (on by default for a CUDA cache, unless a custom
+``gather_fn`` is given - lesson 03's exercise) serves all decoding sequences with one padded gather and :func:`~lesson_utils.cache.attention.decode_attention`; lesson 04's kernel does the same without
 the gather.
 """
 

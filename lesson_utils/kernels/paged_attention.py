@@ -25,7 +25,6 @@ import torch
 import triton
 import triton.language as tl
 
-from lesson_utils import env  # noqa: F401  (sets TRITON_INTERPRET=1 on a CPU before any kernel is defined)
 from lesson_utils.device_discipline import check_kernel_args, kernel_launch
 
 __all__ = [

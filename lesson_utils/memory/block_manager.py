@@ -141,11 +141,16 @@ class BlockManager:
         return table
 
     def free_seq(self, seq_id: int) -> None:
+        """Give back every block of ``seq_id``'s table (one reference each, where blocks are shared)."""
         table = self.tables.pop(seq_id, None)
         if table is None:
             raise ValueError(f"sequence {seq_id} holds no blocks (already freed, or never admitted)")
-        for block_id in table.blocks:
+        self.forget_prefix(seq_id)
+        for block_id in self._release_order(table.blocks):
             self.allocator.free(block_id)
+
+    def _release_order(self, blocks: list[int]):
+        return blocks  # nothing is cached here: any order will do
 
     def block_table(self, seq_id: int) -> list[int]:
         return self.tables[seq_id].blocks

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
+from lesson_utils.memory.block_allocator import BlockAllocator
 from lesson_utils.types import OutOfBlocks
 
 NO_PARENT = None
@@ -35,14 +36,17 @@ def block_hash(parent_hash, tokens) -> int:
     return hash((parent_hash, tuple(int(t) for t in tokens)))
 
 
-class BlockPool:
+class BlockPool(BlockAllocator):
+    """Lesson 03's allocator with reference counts and a prefix cache. Its id checks and free / used counts are
+    the allocator's; its free queue is an ``OrderedDict`` instead of a deque, because a prefix-cache hit revives
+    a free block from the middle of the queue (O(1) there, O(n) in a deque)."""
+
     def __init__(self, num_blocks: int, enable_caching: bool = True):
-        if not isinstance(num_blocks, int) or num_blocks < 1:
-            raise ValueError(f"a KV cache needs at least one block, got {num_blocks!r}")
-        self.num_blocks = num_blocks
+        super().__init__(num_blocks)
         self.enable_caching = enable_caching
         self.ref_count = [0] * num_blocks
-        self._free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
+        self._free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # eviction order
+        self._is_free = None  # a block is free exactly when its count is 0 (is_free below)
         self.hash_of: dict[int, int] = {}  # block -> hash (only cached, full blocks)
         self.tokens_of: dict[int, tuple[int, ...]] = {}
         self.block_of: dict[int, int] = {}  # hash -> block
@@ -50,17 +54,9 @@ class BlockPool:
 
     # ---- counts ----------------------------------------------------------------------------------
     @property
-    def num_free(self) -> int:
-        return len(self._free)
-
-    @property
-    def num_used(self) -> int:
-        return self.num_blocks - len(self._free)
-
-    @property
     def num_cached_free(self) -> int:
         """Free blocks that still hold a findable prefix."""
-        return sum(1 for b in self._free if b in self.hash_of)
+        return sum(1 for b in self._free_queue if b in self.hash_of)
 
     def is_free(self, block_id: int) -> bool:
         self._check_id(block_id)
@@ -69,9 +65,9 @@ class BlockPool:
     # ---- allocation ------------------------------------------------------------------------------
     def allocate(self) -> int:
         """A block with count 1; evicts the least recently freed block's cached prefix if it had one."""
-        if not self._free:
+        if not self._free_queue:
             raise OutOfBlocks(f"all {self.num_blocks} blocks are in use")
-        block_id, _ = self._free.popitem(last=False)
+        block_id, _ = self._free_queue.popitem(last=False)
         self._evict(block_id)
         self.ref_count[block_id] = 1
         return block_id
@@ -80,7 +76,7 @@ class BlockPool:
         """One more table holds ``block_id`` (a fork, or a prefix-cache hit that revives a free block)."""
         self._check_id(block_id)
         if self.ref_count[block_id] == 0:
-            del self._free[block_id]
+            del self._free_queue[block_id]
         self.ref_count[block_id] += 1
 
     def decref(self, block_id: int) -> None:
@@ -90,9 +86,11 @@ class BlockPool:
             raise ValueError(f"block {block_id} is already free (freed twice?)")
         self.ref_count[block_id] -= 1
         if self.ref_count[block_id] == 0:
-            self._free[block_id] = None
+            self._free_queue[block_id] = None
 
-    free = decref  # the lesson 03 name, for code that only ever holds one reference
+    def free(self, block_id: int) -> None:
+        """The lesson 03 name: one reference fewer (what a block table gives back)."""
+        self.decref(block_id)
 
     # ---- prefix cache ----------------------------------------------------------------------------
     def cache(self, block_id: int, h: int, tokens) -> None:
@@ -121,11 +119,3 @@ class BlockPool:
             del self.block_of[h]
             del self.tokens_of[block_id]
             self.evictions += 1
-
-    def _check_id(self, block_id: int) -> None:
-        if not isinstance(block_id, int) or isinstance(block_id, bool):
-            raise TypeError(f"a block id is an int, got {type(block_id).__name__}")
-        if not 0 <= block_id < self.num_blocks:
-            raise ValueError(
-                f"block id {block_id} is out of range: this cache has {self.num_blocks} blocks (0..{self.num_blocks - 1})"
-            )

@@ -185,13 +185,8 @@ class SharingBlockManager(BlockManager):
             hashes.append(h)
             self.pool.cache(table.blocks[i], h, chunk)
 
-    def free_seq(self, seq_id: int) -> None:
-        table = self.tables.pop(seq_id, None)
-        if table is None:
-            raise ValueError(f"sequence {seq_id} holds no blocks (already freed, or never admitted)")
-        self._hashes.pop(seq_id, None)
-        for block_id in reversed(table.blocks):  # tail blocks first: they are evicted first
-            self.pool.decref(block_id)
+    def _release_order(self, blocks: list[int]):
+        return reversed(blocks)  # tail blocks first: the free queue evicts them first, keeping shared prefixes
 
     # ---- accounting -----------------------------------------------------------------------------
     def breakdown(self) -> dict[str, int]:
@@ -219,11 +214,10 @@ class SharingBlockManager(BlockManager):
                 f"block {b}: count {self.pool.ref_count[b]}, held by {counts.get(b, 0)} tables"
             )
             # (is_free() is defined by the count: the free queue is what must agree with it)
-            in_queue = b in self.pool._free
+            in_queue = b in self.pool._free_queue
             assert (self.pool.ref_count[b] == 0) == in_queue, (
                 f"block {b}: count {self.pool.ref_count[b]}, {'in' if in_queue else 'not in'} the free queue"
             )
-        assert len(counts) + self.pool.num_free == self.num_blocks, "a block was lost"
         for sid, t in self.tables.items():
             assert len(t.blocks) == blocks_needed(t.num_tokens, self.block_size), (
                 f"sequence {sid} holds the wrong number of blocks"
