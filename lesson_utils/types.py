@@ -84,6 +84,7 @@ class Sequence:
     finished_s: float | None = None  # time from arrival to the last token, seconds (real runs)
     aborted: bool = False  # cancelled before it finished (its memory is given back at once)
     beam: object = None  # the serving.beam_search.BeamGroup this sequence is a beam of, if any
+    token_steps: list[int] = field(default_factory=list)  # the step that produced each generated token
 
     def append_token(self, token: int | None, step: int) -> None:
         """The one place a sequence grows: ``token`` generated at ``step`` (None in a simulation, which knows
@@ -91,6 +92,7 @@ class Sequence:
         if token is not None:
             self.output_ids.append(token)
         self.num_generated += 1
+        self.token_steps.append(step)
         if self.first_token_step is None:
             self.first_token_step = step
 

@@ -172,9 +172,9 @@ def count_batched_tokens(engine: Engine) -> list[tuple[int, int]]:
     fed: list[tuple[int, int]] = []
     logits = engine.runner.logits
 
-    def spy(seqs):
-        fed.append((sum(len(s.token_ids) - s.kv_len for s in seqs), len(seqs)))
-        return logits(seqs)
+    def spy(seqs, counts=None):
+        fed.append((sum(counts) if counts is not None else sum(len(s.token_ids) - s.kv_len for s in seqs), len(seqs)))
+        return logits(seqs, counts)
 
     engine.runner.logits = spy
     return fed

@@ -156,3 +156,27 @@ def gather_kv(cache: torch.Tensor, block_table: list[int], context_len: int) -> 
     num_blocks_used = blocks_needed(context_len, cache.shape[1])
     ids = torch.tensor(block_table[:num_blocks_used], dtype=torch.long, device=cache.device)
     return cache[ids].reshape(-1, cache.shape[2], cache.shape[3])[:context_len]
+
+
+def unified_attention_reference(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Attention of a flat batch of chunks and decodes through block tables, in plain torch: what lesson 08's
+    kernel must reproduce. Sequence ``s``'s queries are rows ``query_start[s] .. query_start[s + 1] - 1`` of
+    ``q`` ``[num_tokens, heads, d]``, the last tokens of its ``context_lens[s]``; each sees its cached keys and
+    the chunk's keys up to itself (:func:`attention_over_context` over the gathered K/V)."""
+    if scale is None:
+        scale = q.shape[-1] ** -0.5
+    out = torch.empty_like(q)
+    starts = query_start.tolist()
+    for s, ctx in enumerate(context_lens.tolist()):
+        a, b = starts[s], starts[s + 1]
+        table = block_tables[s].tolist()
+        out[a:b] = attention_over_context(q[a:b], gather_kv(k_cache, table, ctx), gather_kv(v_cache, table, ctx), scale)
+    return out

@@ -1,4 +1,4 @@
-"""Lesson 04: the paged cache with Triton kernels as its attention backend.
+"""Lessons 04 and 08: the paged cache with Triton kernels as its attention backend.
 
 Same memory layout and block manager as :class:`~lesson_utils.cache.paged.PagedKVCache` (lesson 03); two
 things change:
@@ -19,6 +19,7 @@ import torch
 from lesson_utils.cache.paged import PagedKVCache
 from lesson_utils.cache.seam import AttentionMetadata
 from lesson_utils.kernels.paged_attention import paged_attention_decode, write_kv_to_cache
+from lesson_utils.kernels.unified_attention import unified_attention
 
 
 @dataclass
@@ -64,5 +65,62 @@ class TritonPagedKVCache(PagedKVCache):
             batch.meta.decode_lens,
             scale,
             variant=self.variant,
+            validate=False,
+        )
+
+
+@dataclass
+class UnifiedMetadata(AttentionMetadata):
+    """What lesson 08's unified kernel takes for the whole step, built on the host and moved once: int32 slots,
+    every sequence's block table padded into one tensor, the query offsets and the context lengths."""
+
+    slots_i32: torch.Tensor | None = None
+    tables: torch.Tensor | None = None
+    query_start: torch.Tensor | None = None
+    context_lens: torch.Tensor | None = None
+    max_query_len: int = 0
+
+
+class UnifiedTritonKVCache(PagedKVCache):
+    """Lesson 08: the paged cache with ONE attention launch per layer for the whole step - prefill chunks and
+    decodes alike - through :func:`~lesson_utils.kernels.unified_attention.unified_attention`."""
+
+    def __init__(self, *args, mask_fn=None, **kw):
+        kw["batched_decode"] = False  # no separate decode path: every row goes to the one kernel
+        super().__init__(*args, **kw)
+        self.mask_fn = mask_fn
+
+    def prepare(self, batch):
+        super().prepare(batch)
+        device = self.k_cache[0].device
+        tables = batch.meta.block_tables
+        width = max((len(t) for t in tables), default=1)
+        starts = [0]
+        for n in batch.query_lens:
+            starts.append(starts[-1] + n)
+        batch.meta = UnifiedMetadata(
+            **vars(batch.meta),
+            slots_i32=batch.meta.slots.to(device=device, dtype=torch.int32),
+            tables=torch.tensor([list(t) + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=device),
+            query_start=torch.tensor(starts, dtype=torch.int32, device=device),
+            context_lens=torch.tensor(batch.context_lens, dtype=torch.int32, device=device),
+            max_query_len=max(batch.query_lens, default=0),
+        )
+
+    def write(self, layer, batch, k, v):
+        write_kv_to_cache(k, v, self.k_cache[layer], self.v_cache[layer], batch.meta.slots_i32, validate=False)
+
+    def attend(self, layer, batch, q, scale):
+        meta = batch.meta
+        return unified_attention(
+            q,
+            self.k_cache[layer],
+            self.v_cache[layer],
+            meta.tables,
+            meta.query_start,
+            meta.context_lens,
+            meta.max_query_len,
+            scale,
+            mask_fn=self.mask_fn,
             validate=False,
         )

@@ -26,8 +26,8 @@ class _LogitsRunner(ModelRunner):
         super().__init__(w, cache)
         self.logged: list[tuple[list[int], torch.Tensor]] = []
 
-    def logits(self, seqs):
-        out = super().logits(seqs)
+    def logits(self, seqs, counts=None):
+        out = super().logits(seqs, counts)
         self.logged.append(([s.seq_id for s in seqs], out.float().cpu()))
         return out
 

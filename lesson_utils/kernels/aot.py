@@ -30,17 +30,20 @@ TARGETS = {"sm_75": 75, "sm_80": 80}
 class KernelConfig:
     """One compiled specialisation of a course kernel."""
 
-    kernel: str  # "decode-simple", "decode-tiled" or "write-kv"
+    kernel: str  # "decode-simple", "decode-tiled", "write-kv" or "unified" (lesson 08)
     dtype: str  # "fp16" or "fp32"
     head_dim: int
     block_size: int = 16
     group: int = 1
     num_kv_heads: int = 12
+    block_q: int = 16  # "unified": query tokens per program
 
     @property
     def label(self) -> str:
         if self.kernel == "write-kv":
             return f"{self.kernel} {self.dtype} row={self.num_kv_heads}x{self.head_dim}"
+        if self.kernel == "unified":
+            return f"{self.kernel} {self.dtype} d={self.head_dim} bs={self.block_size} gqa={self.group}:1 q-tile={self.block_q}"
         return f"{self.kernel} {self.dtype} d={self.head_dim} bs={self.block_size} gqa={self.group}:1"
 
 
@@ -58,6 +61,17 @@ def course_configs() -> list[KernelConfig]:
     configs.append(KernelConfig("write-kv", "fp32", 64, num_kv_heads=12))
     configs.append(KernelConfig("write-kv", "fp16", 80, num_kv_heads=2))
     return configs
+
+
+def unified_configs() -> list[KernelConfig]:
+    """Lesson 08's unified kernel as the course runs it: OPT-125m on a T4 (fp16), decode-only (a query tile of 1)
+    and chunked (16) steps, fp32 for the CPU profiles' geometry, and a grouped-query case."""
+    return [
+        KernelConfig("unified", "fp16", 64, 16, 1, block_q=16),
+        KernelConfig("unified", "fp16", 64, 16, 1, block_q=1),
+        KernelConfig("unified", "fp32", 64, 16, 1, block_q=16),
+        KernelConfig("unified", "fp16", 128, 16, 4, block_q=16),
+    ]
 
 
 @dataclass
@@ -116,6 +130,43 @@ def _compile_one(cfg: KernelConfig, target: str) -> CompileResult:
             "ROW_P": "constexpr",
         }
         constexprs = {"ROW": row, "ROW_P": triton.next_power_of_2(row)}
+    elif cfg.kernel == "unified":
+        from lesson_utils.kernels import unified_attention as unified
+
+        fn = unified.unified_attention_kernel
+        signature = {
+            "out_ptr": ptr,
+            "q_ptr": ptr,
+            "k_cache_ptr": ptr,
+            "v_cache_ptr": ptr,
+            "block_tables_ptr": "*i32",
+            "query_start_ptr": "*i32",
+            "context_lens_ptr": "*i32",
+            "scale": "fp32",
+            "stride_q_token": "i32",
+            "stride_q_head": "i32",
+            "stride_o_token": "i32",
+            "stride_o_head": "i32",
+            "stride_bt_seq": "i32",
+            "stride_slot": "i32",
+            "stride_kv_head": "i32",
+            "GROUP": "constexpr",
+            "HEAD_DIM": "constexpr",
+            "HEAD_DIM_P": "constexpr",
+            "BLOCK_SIZE": "constexpr",
+            "BLOCK_Q": "constexpr",
+            "TILE": "constexpr",
+            "MASK": "constexpr",
+        }
+        constexprs = {
+            "GROUP": cfg.group,
+            "HEAD_DIM": cfg.head_dim,
+            "HEAD_DIM_P": triton.next_power_of_2(cfg.head_dim),
+            "BLOCK_SIZE": cfg.block_size,
+            "BLOCK_Q": cfg.block_q,
+            "TILE": cfg.block_size,
+            "MASK": unified.causal_mask,
+        }
     else:
         fn = kernels.paged_decode_kernel
         signature = {

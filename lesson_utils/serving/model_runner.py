@@ -26,7 +26,12 @@ class ModelRunner:
         seqs = plan.scheduled
         if not seqs:
             return
-        logits = self.logits(seqs)
+        logits = self.logits(seqs, plan.tokens_to_feed())
+        # a sequence samples once all its tokens are computed (a prompt chunk that stops short does not)
+        ready = [i for i, s in enumerate(seqs) if s.kv_len == len(s.token_ids)]
+        if len(ready) < len(seqs):
+            logits = logits[torch.tensor(ready, device=logits.device)] if ready else logits[:0]
+        seqs = [seqs[i] for i in ready]
         for seq, row, token in zip(seqs, logits, sampling.next_tokens(seqs, logits)):
             if seq.beam is not None or seq.pending_forks:
                 seq.last_logits = row
@@ -42,12 +47,15 @@ class ModelRunner:
         for src, dst in plan.copies:
             self.cache.copy_block(src, dst)
 
-    def logits(self, seqs: list[Sequence]) -> torch.Tensor:
-        """Feed every sequence the tokens not yet in the cache; logits of each one's last token."""
+    def logits(self, seqs: list[Sequence], counts: list[int] | None = None) -> torch.Tensor:
+        """Feed every sequence its next ``counts[i]`` uncomputed tokens (default: all of them); the logits of
+        each one's last fed token."""
         device = self.w.embed_tokens.device
-        tokens = [seq.token_ids[seq.kv_len :] for seq in seqs]
+        if counts is None:
+            counts = [len(s.token_ids) - s.kv_len for s in seqs]
+        tokens = [seq.token_ids[seq.kv_len : seq.kv_len + n] for seq, n in zip(seqs, counts)]
         batch = StepBatch.build([s.seq_id for s in seqs], tokens, [s.kv_len for s in seqs], device=device)
         out = forward(self.w, batch, self.cache, last_only=True)
-        for seq in seqs:
-            seq.kv_len = len(seq.token_ids)
+        for seq, n in zip(seqs, counts):
+            seq.kv_len += n
         return out

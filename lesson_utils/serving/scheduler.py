@@ -18,6 +18,7 @@ from typing import Callable
 import torch
 
 from lesson_utils.serving import sampling
+from lesson_utils.serving.token_budget import TokenState, budgeted_schedule
 from lesson_utils.types import MemoryManager, OutOfBlocks, Sequence
 
 
@@ -54,7 +55,14 @@ class StepPlan:
     swap_in: list[tuple[int, int]] = field(default_factory=list)
     swap_out: list[tuple[int, int]] = field(default_factory=list)
     copies: list[tuple[int, int]] = field(default_factory=list)
-    prefill_tokens: int = 0  # tokens fed this step for sequences (re)admitted this step
+    prefill_tokens: int = 0  # prompt tokens fed this step (sequences admitted this step, or prompt chunks)
+    num_tokens: list[int] | None = None  # tokens each scheduled sequence feeds; None: all it has not computed
+
+    def tokens_to_feed(self) -> list[int]:
+        """How many tokens each scheduled sequence feeds this step (from ``kv_len``)."""
+        if self.num_tokens is None:
+            return [s.len - s.kv_len for s in self.scheduled]
+        return list(self.num_tokens)
 
 
 @dataclass
@@ -97,13 +105,23 @@ class FCFSScheduler:
         max_num_batched_tokens: int | None = None,
         choose_victim: Callable = most_recently_admitted,
         reset: Callable = reset_for_recompute,
+        chunked_prefill: bool = False,
+        plan_fn: Callable = budgeted_schedule,
     ):
         if preemption_mode not in ("recompute", "swap"):
             raise ValueError(f"preemption_mode is 'recompute' or 'swap', got {preemption_mode!r}")
         if preemption_mode == "swap" and swap_space is None:
             raise ValueError("preemption_mode='swap' needs a swap_space (lesson_utils.memory.swap.SwapSpace)")
-        if max_num_batched_tokens is not None and max_num_batched_tokens < 1:
-            raise ValueError(f"max_num_batched_tokens must be positive, got {max_num_batched_tokens}")
+        if max_num_batched_tokens is not None and (
+            isinstance(max_num_batched_tokens, bool)
+            or not isinstance(max_num_batched_tokens, int)
+            or max_num_batched_tokens < 1
+        ):
+            raise ValueError(f"max_num_batched_tokens must be a positive int, got {max_num_batched_tokens!r}")
+        if chunked_prefill and max_num_batched_tokens is None:
+            raise ValueError("chunked prefill fills a token budget: give max_num_batched_tokens")
+        if chunked_prefill and preemption_mode != "recompute":
+            raise ValueError("chunked prefill preempts by recompute here (preemption_mode='recompute')")
         if max_num_seqs is not None and (
             isinstance(max_num_seqs, bool) or not isinstance(max_num_seqs, int) or max_num_seqs < 1
         ):
@@ -114,6 +132,7 @@ class FCFSScheduler:
         self.swap_space = swap_space
         self.max_num_batched_tokens = max_num_batched_tokens
         self.choose_victim, self.reset = choose_victim, reset
+        self.chunked_prefill, self.plan_fn = chunked_prefill, plan_fn
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.swapped: deque[Sequence] = deque()
@@ -143,7 +162,12 @@ class FCFSScheduler:
     def schedule(self, step: int) -> StepPlan:
         """One step's decisions: admit (swapped sequences first), then make room for every running sequence's
         next token, preempting if memory is short. Raises ``RuntimeError`` when nothing can run although
-        requests wait: the head request does not fit even into an empty cache."""
+        requests wait: the head request does not fit even into an empty cache.
+
+        With ``chunked_prefill`` the step's tokens come from the token budget instead (lesson 08:
+        :meth:`_schedule_chunks`)."""
+        if self.chunked_prefill:
+            return self._schedule_chunks(step)
         admitted = self.admit(step)
         if not self.running and (self.waiting or self.swapped):
             raise RuntimeError(
@@ -159,7 +183,86 @@ class FCFSScheduler:
             self._swap_out,
             self.manager.pop_copies(),
             sum(s.len - s.kv_len for s in self.running if s.admitted_step == step),
+            [s.len - s.kv_len for s in self.running],
         )
+
+    def _schedule_chunks(self, step: int) -> StepPlan:
+        """Lesson 08: ``plan_fn`` (:func:`~lesson_utils.serving.token_budget.budgeted_schedule`) picks the step's
+        token ranges within ``max_num_batched_tokens``, admitting through the memory manager as it goes (a
+        prompt's blocks are all taken at admission; its chunks only spread the compute). Then room is made for
+        the token each sequence that finishes its prompt (or decodes) is about to sample, preempting by
+        recompute if memory is short; a preempted sequence's chunk is dropped."""
+        self._step = step
+        self._swap_in, self._swap_out = [], []
+        admitted: list[Sequence] = []
+
+        def admit(seq_id: int) -> int | None:
+            if not self.waiting or self.waiting[0].seq_id != seq_id:
+                head = self.waiting[0].seq_id if self.waiting else None
+                raise ValueError(
+                    f"admit the waiting sequences in arrival order: asked for {seq_id}, the head is {head}"
+                )
+            seq = self.waiting[0]
+            if not self._room_for_another() or not self.manager.can_allocate(seq):
+                return None
+            self.manager.allocate(seq)  # prefix-cache hits set seq.kv_len
+            self.waiting.popleft()
+            seq.admitted_step = step
+            self.running.append(seq)
+            admitted.append(seq)
+            return seq.kv_len
+
+        state = [TokenState(s.seq_id, s.kv_len, s.len) for s in self.running]
+        queue = [TokenState(s.seq_id, s.kv_len, s.len) for s in self.waiting]
+        chunks = self.plan_fn(state, queue, self.max_num_batched_tokens, admit)
+        if not self.running and self.waiting:
+            raise RuntimeError(
+                "nothing is running and the head request still does not fit: the cache is too small for it even when empty"
+            )
+        seqs = self._check_chunks(chunks)
+        preempted, i = [], 0
+        sampling = [s for s, c in zip(seqs, chunks) if c.end == s.len]  # they need a slot for the token they sample
+        while i < len(sampling):
+            try:
+                self.manager.append_slot(sampling[i])
+                i += 1
+            except OutOfBlocks:
+                victim = self.choose_victim(self.running)
+                self.running = [s for s in self.running if s is not victim]
+                if any(s is victim for s in sampling[:i]):
+                    i -= 1
+                sampling = [s for s in sampling if s is not victim]
+                self._preempt(victim, {})
+                preempted.append(victim)
+        kept = [(s, c) for s, c in zip(seqs, chunks) if any(r is s for r in self.running)]
+        return StepPlan(
+            step,
+            [s for s, _ in kept],
+            [s for s in admitted if any(r is s for r in self.running)],
+            preempted,
+            copies=self.manager.pop_copies(),
+            prefill_tokens=sum(c.end - c.start for s, c in kept if not (c.end - c.start == 1 and s.num_generated)),
+            num_tokens=[c.end - c.start for _, c in kept],
+        )
+
+    def _check_chunks(self, chunks) -> list[Sequence]:
+        """The running sequence of every chunk, or a clear error for a plan the engine cannot run."""
+        by_id = {s.seq_id: s for s in self.running}
+        seqs, total = [], 0
+        for c in chunks:
+            seq = by_id.pop(c.seq_id, None)
+            if seq is None:
+                raise ValueError(f"chunk {c}: sequence {c.seq_id} is not running (admit it first), or has two chunks")
+            if not (c.start == seq.kv_len and c.start < c.end <= seq.len):
+                raise ValueError(
+                    f"chunk {c}: sequence {c.seq_id} has {seq.kv_len} of {seq.len} tokens computed, so a chunk "
+                    f"runs from {seq.kv_len} to at most {seq.len}"
+                )
+            seqs.append(seq)
+            total += c.end - c.start
+        if total > self.max_num_batched_tokens:
+            raise ValueError(f"the chunks hold {total} tokens, over the budget of {self.max_num_batched_tokens}")
+        return seqs
 
     def admit(self, step: int) -> list[Sequence]:
         """Swap in, then admit what fits; returns the newly admitted (prefilling) sequences."""
@@ -292,6 +395,7 @@ class FCFSScheduler:
                 num_generated=parent.num_generated - 1,
                 admitted_step=parent.admitted_step,
                 output_ids=list(parent.output_ids[:-1]),
+                token_steps=list(parent.token_steps[:-1]),
                 eos_token_id=parent.eos_token_id,
                 kv_len=parent.kv_len,
                 temperature=parent.temperature,
@@ -320,6 +424,7 @@ class FCFSScheduler:
                     admitted_step=parent.admitted_step,
                     first_token_step=parent.first_token_step,
                     output_ids=list(parent.output_ids),
+                    token_steps=list(parent.token_steps),
                     kv_len=parent.kv_len,
                     beam=group,
                 )

@@ -36,9 +36,10 @@ class AccountingRunner:
         self.on_step = on_step
 
     def execute(self, plan: StepPlan) -> None:
-        for seq in plan.scheduled:
-            seq.kv_len = seq.len  # everything fed this step is now "computed"
-            seq.append_token(None, plan.step)
+        for seq, n in zip(plan.scheduled, plan.tokens_to_feed()):
+            seq.kv_len += n  # what was fed this step is now "computed"
+            if seq.kv_len == seq.len:  # a prompt chunk that stops short samples nothing
+                seq.append_token(None, plan.step)
         if self.on_step is not None:
             self.on_step(plan)
 
