@@ -707,9 +707,9 @@ def test_bad_settings_are_refused(tiny):
         with pytest.raises(ValueError, match="non-negative number of blocks"):
             SwapSpace(bad)
     for bad in (0, -1):
-        with pytest.raises(ValueError, match=f"max_num_batched_tokens must be positive, got {bad}"):
+        with pytest.raises(ValueError, match=f"max_num_batched_tokens must be a positive int, got {bad}"):
             FCFSScheduler(m, max_num_batched_tokens=bad)
-        with pytest.raises(ValueError, match="max_num_batched_tokens must be positive"):
+        with pytest.raises(ValueError, match="max_num_batched_tokens must be a positive int"):
             Engine(w, PagedKVCache.for_model(w, 8, 4), max_num_batched_tokens=bad)
     empty = SwapSpace(0)
     assert empty.num_blocks == 0 and empty.num_free == 0 and not empty.cpu_tables
