@@ -65,12 +65,12 @@ def course_configs() -> list[KernelConfig]:
 
 def unified_configs() -> list[KernelConfig]:
     """Lesson 08's unified kernel as the course runs it: OPT-125m on a T4 (fp16), decode-only (a query tile of 1)
-    and chunked (16) steps, fp32 for the CPU profiles' geometry, and a grouped-query case."""
+    and chunked (8) steps, fp32 for the CPU profiles' geometry, and a grouped-query case with head_dim 128."""
     return [
-        KernelConfig("unified", "fp16", 64, 16, 1, block_q=16),
+        KernelConfig("unified", "fp16", 64, 16, 1, block_q=8),
         KernelConfig("unified", "fp16", 64, 16, 1, block_q=1),
-        KernelConfig("unified", "fp32", 64, 16, 1, block_q=16),
-        KernelConfig("unified", "fp16", 128, 16, 4, block_q=16),
+        KernelConfig("unified", "fp32", 64, 16, 1, block_q=8),
+        KernelConfig("unified", "fp16", 128, 16, 4, block_q=8),
     ]
 
 

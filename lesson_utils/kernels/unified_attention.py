@@ -105,9 +105,12 @@ def unified_attention_kernel(
         tl.store(out_ptr + o_offsets, out.to(out_ptr.dtype.element_ty), mask=q_mask)
 
 
+MAX_QUERY_TILE = 8  # on sm_75, 16 queries x a 16-key tile x head_dim 64 takes all 255 registers (see the AOT report)
+
+
 def query_tile(max_query_len: int) -> int:
-    """Queries per program: the longest query rounded up to a power of two, between 1 and 16."""
-    return min(16, triton.next_power_of_2(max(1, max_query_len)))
+    """Queries per program: the longest query rounded up to a power of two, between 1 and MAX_QUERY_TILE."""
+    return min(MAX_QUERY_TILE, triton.next_power_of_2(max(1, max_query_len)))
 
 
 def unified_attention(

@@ -95,6 +95,7 @@ class Engine:
     preemption_mode: str = "recompute"  # lesson 06: or "swap"
     swap_space: object = None  # a lesson_utils.memory.swap.SwapSpace, for preemption_mode="swap"
     max_num_batched_tokens: int | None = None
+    chunked_prefill: bool = False  # lesson 08: prompts prefilled a chunk at a time within the token budget
     scheduler_kw: dict = field(default_factory=dict)  # e.g. a learner's choose_victim / reset
     step_fn: object = serve_step  # lesson 07: a learner's version of serve_step
     stats: list[StepStats] = field(default_factory=list)
@@ -108,6 +109,7 @@ class Engine:
             preemption_mode=self.preemption_mode,
             swap_space=self.swap_space,
             max_num_batched_tokens=self.max_num_batched_tokens,
+            chunked_prefill=self.chunked_prefill,
             **self.scheduler_kw,
         )
         self.runner = ModelRunner(self.w, self.cache, self.swap_space)
