@@ -180,3 +180,16 @@ def unified_attention_reference(
         table = block_tables[s].tolist()
         out[a:b] = attention_over_context(q[a:b], gather_kv(k_cache, table, ctx), gather_kv(v_cache, table, ctx), scale)
     return out
+
+
+def chunk_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: list[int], context_len: int, scale: float
+) -> torch.Tensor:
+    """Attention of one sequence's prefill chunk through its block table. Reference for exercise 08-2.
+
+    ``q`` ``[n, heads, d]``: the sequence's newest ``n`` tokens (positions ``context_len - n .. context_len - 1``),
+    their K/V already in ``k_cache``/``v_cache`` (one layer, ``[num_blocks, block_size, kv_heads, d]``). Query
+    ``j`` sees the cached keys and the chunk's keys up to itself. Returns ``[n, heads, d]`` in ``q``'s dtype."""
+    k = gather_kv(k_cache, block_table, context_len)
+    v = gather_kv(v_cache, block_table, context_len)
+    return attention_over_context(q, k, v, scale)
