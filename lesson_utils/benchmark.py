@@ -1,4 +1,4 @@
-"""Lesson 07: serve one workload several ways and measure what a user and an operator would see.
+"""Lessons 07 and 08: serve one workload several ways and measure what a user and an operator would see.
 
 * :func:`serve_engine` feeds a course engine requests at their arrival times (wall clock) and records, per
   request, time to first token (from arrival) and time per output token after the first, and per step the
@@ -12,6 +12,10 @@
 
 Both stop a request at end-of-sequence or at its own output length, so greedy outputs can be compared token
 for token.
+
+* :func:`serve_by_steps` (lesson 08) adds requests at given *steps* rather than wall-clock times, so runs with and
+  without chunked prefill see the same arrivals, and records every step's time and tokens, every gap between
+  consecutive tokens of the requests that were decoding, and the time to first token of the others.
 """
 
 from __future__ import annotations
@@ -94,6 +98,67 @@ def serve_engine(name: str, engine, requests: list[Request], progress: bool = Tr
     running = [(st.t - start, st.running) for st in engine.stats]
     kv = [(st.t - start, st.kv_tokens / st.kv_slots) for st in engine.stats if st.kv_slots]
     return ServeResult(name, outputs, ttft, tpot, wall, running, kv)
+
+
+@dataclass
+class StepTrace:
+    """One run of :func:`serve_by_steps`."""
+
+    name: str
+    step_s: np.ndarray  # wall seconds of every step
+    step_tokens: np.ndarray  # tokens computed in every step (prompt tokens and decodes)
+    itl_s: np.ndarray  # every gap between two consecutive tokens of a decoding request
+    ttft_s: dict[int, float]  # time to first token of the watched (long-prompt) requests, from their arrival
+    outputs: dict[int, list[int]]
+
+    def itl_ms(self, q: float) -> float:
+        """A percentile of the decoding requests' inter-token latency, in ms."""
+        return float(np.percentile(self.itl_s, q) * 1e3) if len(self.itl_s) else float("nan")
+
+
+def serve_by_steps(
+    name: str, engine, requests: list[Request], arrive_step: dict[int, int], watch: set[int], progress: bool = True
+) -> StepTrace:
+    """Add request ``r`` before step ``arrive_step[r.req_id]``; run until all are served. ``watch``: the requests
+    whose time to first token is reported (the long prompts); the others' inter-token gaps are collected.
+
+    On a GPU every step ends with the tokens read back to the host (the sampler's sync), so step times are
+    device times, not launch times."""
+    pending = sorted(requests, key=lambda r: (arrive_step[r.req_id], r.req_id))
+    seqs: dict[int, object] = {}
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=len(pending), desc=name, unit="req", leave=False)
+    first_step = len(engine.stats)
+    i = 0
+    while i < len(pending) or engine.scheduler.has_work:
+        step = len(engine.stats) - first_step
+        while i < len(pending) and arrive_step[pending[i].req_id] <= step:
+            r = pending[i]
+            seqs[r.req_id] = engine.add_request(r.prompt_ids, r.output_len)
+            i += 1
+        done = engine.step()
+        if bar is not None:
+            bar.update(len(done))
+    if bar is not None:
+        bar.close()
+    stats = engine.stats[first_step:]
+    t_of = {st.step: st.t for st in stats}
+    gaps = []
+    for rid, seq in seqs.items():
+        if rid not in watch:
+            times = [t_of[k] for k in seq.token_steps]
+            gaps += list(np.diff(times))
+    return StepTrace(
+        name,
+        np.array([st.seconds for st in stats]),
+        np.array([st.tokens for st in stats]),
+        np.array(gaps),
+        {rid: seqs[rid].first_token_s for rid in watch},
+        {rid: list(s.output_ids) for rid, s in seqs.items()},
+    )
 
 
 def _synchronize(t: torch.Tensor) -> None:

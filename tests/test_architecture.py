@@ -101,3 +101,15 @@ def test_the_runtime_package_needs_no_tooling():
     for m, p in MODULES.items():
         bad = {i for i in imports_of(p) if i.split(".")[0] in ("course_tools", "nbformat", "nbclient", "ipykernel")}
         assert not bad, f"{m} imports {sorted(bad)}: the tooling lives in course_tools (extra [tools])"
+
+
+def test_the_public_import_paths_hold():
+    """COURSE.md's interfaces other code relies on, whatever the layout inside."""
+    import importlib
+
+    from lesson_utils import kernels
+
+    assert callable(kernels.paged_attention_decode) and callable(kernels.write_kv_to_cache)
+    for n in range(9):
+        assert hasattr(importlib.import_module(f"lesson_utils.checks.lesson{n:02d}"), "__doc__")
+    assert importlib.util.find_spec("course_tools.run_all") is not None  # the README names it as run_all's successor

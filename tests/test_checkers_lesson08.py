@@ -189,7 +189,11 @@ def wrong_shape(query_pos, key_pos, context_len):
 
 @pytest.mark.parametrize(
     "fn, needle",
-    [(sees_everything, "which keys may that query see"), (not_itself, "which keys may that query see"), (wrong_shape, "case")],
+    [
+        (sees_everything, "which keys may that query see"),
+        (not_itself, "which keys may that query see"),
+        (wrong_shape, "case"),
+    ],
 )
 def test_wrong_masks_are_rejected(fn, needle):
     assert rejected(lesson08.check_causal_mask(fn), needle)

@@ -311,3 +311,20 @@ def test_the_unified_kernel_compiles_for_a_t4():
     assert not any(r.tensor_cores for r in results if r.target == "sm_75"), report
     opt = [r for r in results if r.target == "sm_75" and r.config.head_dim == 64]
     assert opt and all(r.spill_bytes in (0, None) for r in opt), report  # OPT-125m's shapes spill nothing on a T4
+
+
+def test_serve_by_steps_records_every_step_and_every_gap(tiny):
+    from lesson_utils import benchmark
+
+    _, w = tiny
+    prompts = _prompts(w, [6, 7, 90], seed=9)
+    reqs = [Request(i, 0.0, len(p), n, prompt_ids=p) for i, (p, n) in enumerate(zip(prompts, [12, 9, 3]))]
+    engine = Engine(
+        w, PagedKVCache.for_model(w, 60, 4), stop_at_eos=False, max_num_batched_tokens=16, chunked_prefill=True
+    )
+    trace = benchmark.serve_by_steps("t", engine, reqs, {0: 0, 1: 0, 2: 4}, {2}, progress=False)
+    assert len(trace.step_s) == len(engine.stats) and (trace.step_tokens <= 16).all()
+    assert trace.step_tokens.sum() == sum(len(p) + n - 1 for p, n in zip(prompts, [12, 9, 3]))  # every token fed once
+    assert len(trace.itl_s) == (12 - 1) + (9 - 1) and (trace.itl_s > 0).all()
+    assert set(trace.ttft_s) == {2} and trace.ttft_s[2] > 0
+    assert [len(o) for o in trace.outputs.values()] == [12, 9, 3]

@@ -183,7 +183,12 @@ def unified_attention_reference(
 
 
 def chunk_attention(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: list[int], context_len: int, scale: float
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: list[int],
+    context_len: int,
+    scale: float,
 ) -> torch.Tensor:
     """Attention of one sequence's prefill chunk through its block table. Reference for exercise 08-2.
 

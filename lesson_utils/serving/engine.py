@@ -76,6 +76,7 @@ class StepStats:
     kv_tokens: int = 0  # slots holding token states after the step
     kv_slots: int = 0  # the whole KV budget, in slots
     t: float = 0.0  # time.perf_counter() at the end of the step
+    tokens: int = 0  # tokens the model computed this step (prompt tokens and decodes)
 
 
 def _positive_int(value, what: str) -> int:
@@ -227,6 +228,7 @@ class Engine:
                 br["token states"],
                 sum(br.values()),
                 now,
+                sum(plan.num_tokens or []),
             )
         )
 
