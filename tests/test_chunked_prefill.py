@@ -328,3 +328,39 @@ def test_serve_by_steps_records_every_step_and_every_gap(tiny):
     assert len(trace.itl_s) == (12 - 1) + (9 - 1) and (trace.itl_s > 0).all()
     assert set(trace.ttft_s) == {2} and trace.ttft_s[2] > 0
     assert [len(o) for o in trace.outputs.values()] == [12, 9, 3]
+
+
+@pytest.mark.parametrize("disciplined", [False, True], ids=["cpu", "device-discipline"])
+def test_the_gpu_timing_cell_runs_and_checks_before_it_times(disciplined):
+    """Lesson 08's kernel timings run only on a GPU; their code runs here, small, in the interpreter - and in the
+    device-discipline mode, where a tensor made on the wrong device fails as it would on a T4."""
+    import contextlib
+    import time
+
+    from lesson_utils import benchmark
+    from lesson_utils.device_discipline import DEVICE, discipline
+
+    calls = []
+
+    def timer(fn):
+        t0 = time.perf_counter()
+        fn()
+        calls.append(fn)
+        return (time.perf_counter() - t0) * 1e3
+
+    with discipline() if disciplined else contextlib.nullcontext():
+        rows = benchmark.time_unified_kernel(
+            [(3, 1, 16), (2, 5, 8)],
+            heads=2,
+            head_dim=16,
+            block_size=4,
+            dtype=torch.float32,
+            device=DEVICE if disciplined else "cpu",
+            timer=timer,
+        )
+    assert [r.baseline for r in rows] == ["decode kernel", "gather + SDPA"] and len(calls) == 4
+    assert all(r.max_error < 1e-4 and r.unified_ms > 0 and r.baseline_ms > 0 for r in rows)
+    with pytest.raises(ValueError, match="not a multiple of the block size"):
+        benchmark.time_unified_kernel(
+            [(1, 1, 10)], heads=2, head_dim=16, block_size=4, dtype=torch.float32, device="cpu", timer=timer
+        )
