@@ -364,3 +364,26 @@ def test_the_gpu_timing_cell_runs_and_checks_before_it_times(disciplined):
         benchmark.time_unified_kernel(
             [(1, 1, 10)], heads=2, head_dim=16, block_size=4, dtype=torch.float32, device="cpu", timer=timer
         )
+
+
+def test_parallel_samples_and_beam_search_wait_for_a_chunked_prompt(tiny):
+    """A prompt prefilled over several chunks samples (and forks its samples, or its beams) only once its last
+    chunk has run: the same tokens as without chunking."""
+    model, w = tiny
+    prompt = _prompts(w, [45], seed=12)[0]
+
+    def engine(chunked):
+        manager = SharingBlockManager(64, 4, max_seq_len=w.max_positions)
+        kw = {"max_num_batched_tokens": 8, "chunked_prefill": True} if chunked else {}
+        return Engine(w, PagedKVCache.for_model(w, manager=manager), **kw)
+
+    outputs = {}
+    for chunked in (False, True):
+        e = engine(chunked)
+        first = e.add_request(prompt, 6, n=3)
+        e.run()
+        outputs[chunked] = [s.output_ids for s in first.samples]
+        assert len(first.samples) == 3
+    assert outputs[True] == outputs[False] == [hf_greedy(model, prompt, 6, w.eos_token_id)] * 3
+    beams = {chunked: engine(chunked).beam_search(prompt, 3, 5)[0] for chunked in (False, True)}
+    assert beams[True] == beams[False]

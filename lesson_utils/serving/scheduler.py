@@ -371,10 +371,12 @@ class FCFSScheduler:
         """Settle the step, then free every running sequence that has generated all its tokens: a parent that
         has just prefilled forks its parallel samples (they share its blocks), beam groups keep their best
         continuations (forking the beams chosen twice, freeing the ones not chosen)."""
-        for seq in [s for s in self.running if s.pending_forks]:
+        # only sequences that sampled this step (a prompt chunk that stops short samples nothing yet)
+        for seq in [s for s in self.running if s.pending_forks and s.last_logits is not None]:
             self._fork_samples(seq)
         for group in list({id(s.beam): s.beam for s in self.running if s.beam is not None}.values()):
-            self._advance_beams(group, step)
+            if all(b.last_logits is not None for b in group.beams):
+                self._advance_beams(group, step)
         done = [s for s in self.running if s.is_finished]
         for seq in done:
             self.manager.free(seq)
