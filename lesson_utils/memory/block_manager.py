@@ -152,6 +152,20 @@ class BlockManager:
     def _release_order(self, blocks: list[int]):
         return blocks  # nothing is cached here: any order will do
 
+    def adopt(self, seq_id: int, blocks: list[int], num_tokens: int) -> BlockTable:
+        """Lesson 09: give ``seq_id`` a table of ``blocks`` (already allocated here, one reference each) holding
+        ``num_tokens`` tokens whose K/V were computed elsewhere and copied in. Reference for exercise 09-3."""
+        if seq_id in self.tables:
+            raise ValueError(f"sequence {seq_id} already holds blocks")
+        if len(blocks) != blocks_needed(num_tokens, self.block_size):
+            raise ValueError(
+                f"{num_tokens} tokens take {blocks_needed(num_tokens, self.block_size)} blocks, got {len(blocks)}"
+            )
+        if any(self.allocator.is_free(b) for b in blocks):
+            raise ValueError("adopted blocks must be allocated first (the transfer plan's destinations)")
+        table = self.tables[seq_id] = BlockTable(self.block_size, list(blocks), num_tokens)
+        return table
+
     def block_table(self, seq_id: int) -> list[int]:
         return self.tables[seq_id].blocks
 

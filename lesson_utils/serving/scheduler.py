@@ -156,6 +156,12 @@ class FCFSScheduler:
         self.manager.check_admissible(seq)
         self.waiting.append(seq)
 
+    def add_running(self, seq: Sequence) -> None:
+        """Lesson 09: a sequence prefilled elsewhere, its blocks already adopted by this scheduler's manager, joins
+        the running batch (it decodes from the next step)."""
+        self.manager.check_admissible(seq)
+        self.running.append(seq)
+
     def _room_for_another(self) -> bool:
         return self.max_num_seqs is None or len(self.running) < self.max_num_seqs
 

@@ -1,0 +1,260 @@
+"""Lesson 09 (in progress): a prefill worker and a decode worker, two processes joined by torch.distributed.
+
+The prefill worker runs each prompt (one forward pass: its K/V and its first token), sends the request's KV
+blocks, and frees them; the decode worker allocates blocks, receives into them, adopts them into a block table
+and decodes the request with its engine, beside the others already decoding. Three messages per request, on
+gloo (CPU tensors; a one-GPU machine stages through host memory):
+
+1. a header, int64 ``[req_id, num_tokens, first_token, max_new_tokens, num_blocks]`` (``req_id`` -1: no more);
+2. the prefill worker's block ids and the prompt's token ids, int64 ``[num_blocks + num_tokens]``;
+3. the packed K/V of every layer, ``[2, layers, num_blocks, block_size, kv_heads, head_dim]``.
+
+Every wait on the other worker is bounded by the process group's timeout; a worker that fails reports what
+happened through the result queue after giving back every block it holds, and :func:`run_disaggregated`
+turns a dead or stuck worker into a clear error within a bounded time.
+
+Security: torch.distributed's TCP store and gloo's traffic are unauthenticated and unencrypted. The rendezvous
+binds to 127.0.0.1 unless told otherwise; use another address only on a trusted network.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import queue
+import socket
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+PREFILL, DECODE = 0, 1
+END = -1
+
+
+class DisaggError(RuntimeError):
+    """A worker died, got stuck, or reported an error; the message says which and what it said."""
+
+
+@dataclass
+class DisaggConfig:
+    model_dir: str  # a model saved with save_pretrained: both workers load the same weights from it
+    init_method: str = ""  # tcp://ADDR:PORT; run_disaggregated picks a free loopback port when empty
+    num_blocks: int = 128
+    block_size: int = 16
+    timeout_s: float = 20.0  # every wait on the other worker
+    stop_at_eos: bool = True
+    fail_after_messages: int | None = None  # tests: the prefill worker dies after sending this many messages
+    extra: dict = field(default_factory=dict)
+
+
+def free_loopback_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _setup(cfg: DisaggConfig, rank: int):
+    from lesson_utils.cache.paged import PagedKVCache
+    from lesson_utils.memory.block_manager import BlockManager
+    from lesson_utils.model.loading import load_model
+    from lesson_utils.model.opt_forward import OPTWeights
+
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo",
+        init_method=cfg.init_method,
+        rank=rank,
+        world_size=2,
+        timeout=datetime.timedelta(seconds=cfg.timeout_s),
+    )
+    w = OPTWeights.from_hf(load_model(local_path=cfg.model_dir).model)
+    manager = BlockManager(cfg.num_blocks, cfg.block_size, watermark=0.0, max_seq_len=w.max_positions)
+    return w, manager, PagedKVCache.for_model(w, manager=manager)
+
+
+def prefill_worker(rank: int, cfg: DisaggConfig, requests: list[tuple[int, list[int], int]], results) -> None:
+    """Prefill each ``(req_id, prompt_ids, max_new_tokens)``, send its blocks to the decode worker, free them."""
+    from lesson_utils.disagg.transfer import pack_blocks
+    from lesson_utils.memory.block_table import blocks_needed
+    from lesson_utils.serving import sampling
+    from lesson_utils.serving.model_runner import ModelRunner
+    from lesson_utils.types import Request, Sequence
+
+    sent = 0
+
+    def send(t: torch.Tensor) -> None:
+        nonlocal sent
+        dist.send(t.contiguous(), DECODE)
+        sent += 1
+        if cfg.fail_after_messages is not None and sent >= cfg.fail_after_messages:
+            os._exit(17)  # a crash, as far as the other worker can tell
+
+    try:
+        w, manager, cache = _setup(cfg, rank)
+        runner = ModelRunner(w, cache)
+        for req_id, prompt, max_new in requests:
+            seq = Sequence(Request(req_id, 0.0, len(prompt), max_new, prompt_ids=list(prompt)))
+            manager.allocate(seq)
+            first = sampling.next_tokens([seq], runner.logits([seq]))[0]
+            blocks = manager.block_table(req_id)[: blocks_needed(len(prompt), cfg.block_size)]
+            packed = pack_blocks(cache.k_cache, cache.v_cache, blocks).cpu()
+            t0 = time.perf_counter()
+            send(torch.tensor([req_id, len(prompt), first, max_new, len(blocks)], dtype=torch.int64))
+            send(torch.tensor(list(blocks) + list(prompt), dtype=torch.int64))
+            send(packed)
+            results.put(("sent", req_id, packed.numel() * packed.element_size(), time.perf_counter() - t0))
+            manager.free_seq(req_id)
+        send(torch.tensor([END, 0, 0, 0, 0], dtype=torch.int64))
+        results.put(("prefill done", manager.allocator.num_free == cfg.num_blocks))
+    except Exception as err:  # noqa: BLE001 - reported to the parent, which raises it
+        results.put(("error", "prefill", f"{type(err).__name__}: {err}"))
+        raise SystemExit(1) from err
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def decode_worker(rank: int, cfg: DisaggConfig, results) -> None:
+    """Receive prefilled requests and decode them; report each one's tokens, and that every block came back."""
+    from lesson_utils.disagg.transfer import transfer_plan, unpack_blocks
+    from lesson_utils.serving.engine import Engine
+    from lesson_utils.types import Request, Sequence
+
+    manager = None
+    try:
+        w, manager, cache = _setup(cfg, rank)
+        engine = Engine(w, cache, stop_at_eos=cfg.stop_at_eos)
+        k0 = cache.k_cache[0]
+        header = torch.zeros(5, dtype=torch.int64)
+        pending = dist.irecv(header, PREFILL)
+        stream_open = True
+        while stream_open or engine.scheduler.has_work:
+            if stream_open and (not engine.scheduler.has_work or pending.is_completed()):
+                pending.wait()  # bounded by the process group's timeout
+                req_id, num_tokens, first, max_new, num_blocks = header.tolist()
+                if req_id == END:
+                    stream_open = False
+                else:
+                    meta = torch.zeros(num_blocks + num_tokens, dtype=torch.int64)
+                    dist.recv(meta, PREFILL)
+                    src, prompt = meta[:num_blocks].tolist(), meta[num_blocks:].tolist()
+                    while manager.allocator.num_free < num_blocks and engine.scheduler.has_work:
+                        _report(results, engine.step())  # make room by decoding (finished requests free blocks)
+                    plan = transfer_plan(req_id, src, num_tokens, cfg.block_size, manager.allocator.allocate)
+                    payload = torch.empty((2, len(cache.k_cache), num_blocks) + tuple(k0.shape[1:]), dtype=k0.dtype)
+                    dist.recv(payload, PREFILL)
+                    unpack_blocks(payload, cache.k_cache, cache.v_cache, plan.dst_blocks)
+                    manager.adopt(req_id, plan.dst_blocks, num_tokens)
+                    seq = Sequence(
+                        Request(req_id, 0.0, num_tokens, max_new, prompt_ids=prompt),
+                        eos_token_id=w.eos_token_id if cfg.stop_at_eos else None,
+                        kv_len=num_tokens,
+                        admitted_step=len(engine.stats),
+                    )
+                    seq.append_token(first, len(engine.stats))
+                    engine.scheduler.add_running(seq)
+                    pending = dist.irecv(header, PREFILL)
+            if engine.scheduler.has_work:
+                _report(results, engine.step())
+        results.put(("decode done", manager.allocator.num_free == cfg.num_blocks))
+    except Exception as err:  # noqa: BLE001 - reported to the parent, which raises it
+        freed = _free_everything(manager)
+        results.put(("error", "decode", f"{type(err).__name__}: {err}", freed))
+        raise SystemExit(1) from err
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _report(results, done) -> None:
+    for seq in done:
+        results.put(("done", seq.seq_id, list(seq.output_ids)))
+
+
+def _free_everything(manager) -> bool:
+    """After a failure: give back every block; True when all are free."""
+    if manager is None:
+        return True
+    for seq_id in list(manager.tables):
+        manager.free_seq(seq_id)
+    return manager.allocator.num_free == manager.num_blocks
+
+
+@dataclass
+class DisaggResult:
+    outputs: dict[int, list[int]]
+    bytes_sent: dict[int, int]
+    send_s: dict[int, float]
+    all_blocks_free: bool
+
+
+def run_disaggregated(cfg: DisaggConfig, requests: list[tuple[int, list[int], int]]) -> DisaggResult:
+    """Start both workers (spawned processes), collect their results; raise :class:`DisaggError` if either dies
+    or stalls (within about ``2 x cfg.timeout_s``), after stopping the other."""
+    import torch.multiprocessing as mp
+
+    if not cfg.init_method:
+        cfg.init_method = f"tcp://127.0.0.1:{free_loopback_port()}"
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    procs = {
+        "prefill": ctx.Process(target=prefill_worker, args=(PREFILL, cfg, requests, results), daemon=True),
+        "decode": ctx.Process(target=decode_worker, args=(DECODE, cfg, results), daemon=True),
+    }
+    for p in procs.values():
+        p.start()
+    outputs, sizes, times, errors, finished = {}, {}, {}, [], {}
+    deadline = time.monotonic() + 2 * cfg.timeout_s + 60  # start-up (spawn, imports, model) included
+    try:
+        while len(finished) < 2 and not errors:
+            try:
+                msg = results.get(timeout=0.5)
+            except queue.Empty:
+                dead = [n for n, p in procs.items() if p.exitcode not in (None, 0) and n not in finished]
+                if dead:  # wait (bounded) for the other worker's report, then stop
+                    _drain(results, errors, outputs, finished, wait_s=cfg.timeout_s + 5)
+                    break
+                if time.monotonic() > deadline:
+                    errors.append(f"the workers did not finish within {2 * cfg.timeout_s + 60:.0f} s (stuck?)")
+                    break
+                continue
+            _handle(msg, outputs, sizes, times, errors, finished)
+    finally:
+        for p in procs.values():
+            p.join(timeout=cfg.timeout_s + 5)
+            if p.is_alive():
+                p.terminate()
+                p.join(timeout=5)
+    crashed = [f"the {n} worker exited with code {p.exitcode}" for n, p in procs.items() if p.exitcode not in (0, 1)]
+    errors = [e for e in errors if not e.startswith(tuple(crashed))]
+    if errors or crashed:
+        raise DisaggError("disaggregated serving failed: " + "; ".join(crashed + errors))
+    return DisaggResult(outputs, sizes, times, all(finished.values()))
+
+
+def _handle(msg, outputs, sizes, times, errors, finished) -> None:
+    kind = msg[0]
+    if kind == "done":
+        outputs[msg[1]] = msg[2]
+    elif kind == "sent":
+        sizes[msg[1]], times[msg[1]] = msg[2], msg[3]
+    elif kind in ("prefill done", "decode done"):
+        finished[kind.split()[0]] = msg[1]
+    elif kind == "error":
+        freed = f" (it freed its blocks: {msg[3]})" if len(msg) > 3 else ""
+        errors.append(f"the {msg[1]} worker failed: {msg[2]}{freed}")
+
+
+def _drain(results, errors, outputs, finished, wait_s: float) -> None:
+    """After one worker died: wait (bounded) for the other's report."""
+    end = time.monotonic() + wait_s
+    while time.monotonic() < end:
+        try:
+            msg = results.get(timeout=0.5)
+        except queue.Empty:
+            continue
+        _handle(msg, outputs, {}, {}, errors, finished)
+        if msg[0] == "error" or len(finished) == 2:
+            return

@@ -1,0 +1,106 @@
+"""Lesson 09 groundwork: moving a request's KV blocks between two caches, and two workers over gloo.
+
+* the transfer plan, packing and adoption: after unpack and adoption, the decode side's table gathers exactly
+  the K/V the prefill side's table held;
+* two spawned processes on the loopback (gloo): the decode worker's outputs are HF's tokens, the bytes sent are
+  the KV formula rounded up to blocks, every block is free at the end;
+* a prefill worker that dies mid-transfer: a clear error within a bounded time, and the decode worker gave back
+  every block it held.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+
+import pytest
+import torch
+from helpers import hf_greedy
+
+from lesson_utils.cache.attention import gather_kv
+from lesson_utils.disagg.transfer import pack_blocks, transfer_plan, unpack_blocks
+from lesson_utils.disagg.workers import DisaggConfig, DisaggError, run_disaggregated
+from lesson_utils.memory.block_manager import BlockManager
+from lesson_utils.memory.block_table import blocks_needed
+from lesson_utils.types import OutOfBlocks
+
+
+@pytest.mark.parametrize("num_tokens", [1, 4, 9, 16])
+def test_plan_pack_unpack_adopt_moves_exactly_the_requests_kv(num_tokens):
+    g = torch.Generator().manual_seed(num_tokens)
+    layers, bs, heads, d = 3, 4, 2, 8
+    src_k = [torch.randn(10, bs, heads, d, generator=g) for _ in range(layers)]
+    src_v = [torch.randn(10, bs, heads, d, generator=g) for _ in range(layers)]
+    src_table = torch.randperm(10, generator=g)[:5].tolist()
+    dst_k = [torch.zeros(12, bs, heads, d) for _ in range(layers)]
+    dst_v = [torch.zeros(12, bs, heads, d) for _ in range(layers)]
+    manager = BlockManager(12, bs, watermark=0.0)
+    manager.ensure_capacity(99, 3)  # the decode side is not empty: its fresh blocks are not 0, 1, ...
+    plan = transfer_plan(7, src_table, num_tokens, bs, manager.allocator.allocate)
+    assert plan.src_blocks == src_table[: blocks_needed(num_tokens, bs)] and len(plan.dst_blocks) == plan.num_blocks
+    packed = pack_blocks(src_k, src_v, plan.src_blocks)
+    assert packed.shape == (2, layers, plan.num_blocks, bs, heads, d)
+    unpack_blocks(packed, dst_k, dst_v, plan.dst_blocks)
+    table = manager.adopt(7, plan.dst_blocks, num_tokens)
+    for layer in range(layers):
+        assert torch.equal(
+            gather_kv(dst_k[layer], table.blocks, num_tokens), gather_kv(src_k[layer], src_table, num_tokens)
+        )
+        assert torch.equal(
+            gather_kv(dst_v[layer], table.blocks, num_tokens), gather_kv(src_v[layer], src_table, num_tokens)
+        )
+    manager.check_invariants()
+
+
+def test_adoption_and_planning_refuse_what_does_not_fit():
+    manager = BlockManager(3, 4, watermark=0.0)
+    with pytest.raises(OutOfBlocks):
+        transfer_plan(1, [0, 1, 2, 3], 16, 4, manager.allocator.allocate)
+    with pytest.raises(ValueError, match="need 3 blocks"):
+        transfer_plan(1, [0, 1], 9, 4, manager.allocator.allocate)
+    fresh = BlockManager(4, 4, watermark=0.0)
+    with pytest.raises(ValueError, match="must be allocated first"):
+        fresh.adopt(1, [0, 1], 5)
+    b = [fresh.allocator.allocate() for _ in range(2)]
+    with pytest.raises(ValueError, match="take 2 blocks, got 1"):
+        fresh.adopt(1, b[:1], 5)
+
+
+@pytest.fixture(scope="module")
+def saved_model(tiny, tmp_path_factory):
+    model, _ = tiny
+    path = tmp_path_factory.mktemp("tiny-opt")
+    model.save_pretrained(path)
+    return str(path)
+
+
+def _requests(seed=0):
+    rng = random.Random(seed)
+    return [(i, [2] + [rng.randrange(4, 320) for _ in range(n)], 6) for i, n in enumerate([5, 40, 17])]
+
+
+@pytest.mark.slow
+def test_two_workers_on_the_loopback_serve_hfs_tokens(tiny, saved_model):
+    model, w = tiny
+    requests = _requests()
+    result = run_disaggregated(DisaggConfig(model_dir=saved_model, num_blocks=32, block_size=4, timeout_s=20), requests)
+    for req_id, prompt, n in requests:
+        assert result.outputs[req_id] == hf_greedy(model, prompt, n, w.eos_token_id), f"request {req_id}"
+        # K and V of every layer, whole blocks: the KV bytes per token of lesson 00, rounded up to blocks
+        per_token = 2 * w.num_layers * w.num_kv_heads * w.head_dim * 4
+        assert result.bytes_sent[req_id] == blocks_needed(len(prompt), 4) * 4 * per_token
+    assert result.all_blocks_free
+
+
+@pytest.mark.slow
+def test_a_worker_dying_mid_transfer_fails_clearly_within_a_bounded_time(saved_model):
+    start = time.monotonic()
+    with pytest.raises(DisaggError) as err:
+        run_disaggregated(
+            DisaggConfig(model_dir=saved_model, num_blocks=32, block_size=4, timeout_s=5, fail_after_messages=4),
+            _requests(),
+        )
+    assert time.monotonic() - start < 90
+    message = str(err.value)
+    assert "the prefill worker exited with code 17" in message
+    assert "the decode worker failed" in message and "it freed its blocks: True" in message
