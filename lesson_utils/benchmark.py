@@ -39,6 +39,7 @@ class ServeResult:
     wall_s: float
     running: list[tuple[float, int]] = field(default_factory=list)  # (seconds since start, requests running)
     kv_used: list[tuple[float, float]] = field(default_factory=list)  # (seconds, share of the budget holding tokens)
+    token_times: dict[int, list[float]] = field(default_factory=dict)  # req_id -> seconds since start of each token
 
     @property
     def output_tokens(self) -> int:
@@ -98,7 +99,14 @@ def serve_engine(name: str, engine, requests: list[Request], progress: bool = Tr
     }
     running = [(st.t - start, st.running) for st in engine.stats]
     kv = [(st.t - start, st.kv_tokens / st.kv_slots) for st in engine.stats if st.kv_slots]
-    return ServeResult(name, outputs, ttft, tpot, wall, running, kv)
+    t_of = {st.step: st.t - start for st in engine.stats}
+    times = {rid: [t_of[k] for k in s.token_steps] for rid, s in seqs.items()}
+    return ServeResult(name, outputs, ttft, tpot, wall, running, kv, times)
+
+
+def inter_token_gaps(token_times: dict[int, list[float]], req_ids) -> np.ndarray:
+    """Every gap between two consecutive tokens of the requests ``req_ids`` (seconds)."""
+    return np.concatenate([np.diff(token_times[r]) for r in req_ids] + [np.zeros(0)])
 
 
 @dataclass

@@ -82,9 +82,11 @@ def _requests(seed=0):
 @pytest.mark.slow
 def test_two_workers_on_the_loopback_serve_hfs_tokens(tiny, saved_model):
     model, w = tiny
-    requests = _requests()
+    requests = [(r, p, n, 0.1 * r) for r, p, n in _requests()]  # arriving 0, 0.1 and 0.2 s after the start
     result = run_disaggregated(DisaggConfig(model_dir=saved_model, num_blocks=32, block_size=4, timeout_s=20), requests)
-    for req_id, prompt, n in requests:
+    for req_id, prompt, n, arrival in requests:
+        times = result.token_times[req_id]
+        assert times[0] >= arrival and times == sorted(times) and len(times) == len(result.outputs[req_id])
         assert result.outputs[req_id] == hf_greedy(model, prompt, n, w.eos_token_id), f"request {req_id}"
         # K and V of every layer, whole blocks: the KV bytes per token of lesson 00, rounded up to blocks
         per_token = 2 * w.num_layers * w.num_kv_heads * w.head_dim * 4
@@ -104,3 +106,22 @@ def test_a_worker_dying_mid_transfer_fails_clearly_within_a_bounded_time(saved_m
     message = str(err.value)
     assert "the prefill worker exited with code 17" in message
     assert "the decode worker failed" in message and "it freed its blocks: True" in message
+
+
+def test_serve_engine_records_every_tokens_time(tiny):
+    """The colocated side of lesson 09's comparison: per-token times from the engine's own steps."""
+    from lesson_utils import benchmark
+    from lesson_utils.cache.paged import PagedKVCache
+    from lesson_utils.serving.engine import Engine
+    from lesson_utils.types import Request
+
+    _, w = tiny
+    reqs = [Request(i, 0.0, len(p), n, prompt_ids=p) for i, (_, p, n) in enumerate(_requests())]
+    engine = Engine(w, PagedKVCache.for_model(w, 40, 4), stop_at_eos=False)
+    res = benchmark.serve_engine("t", engine, reqs, progress=False)
+    for r in reqs:
+        times = res.token_times[r.req_id]
+        assert len(times) == r.output_len and times == sorted(times) and times[0] > 0
+    gaps = benchmark.inter_token_gaps(res.token_times, [0, 1])
+    assert len(gaps) == 2 * (6 - 1) and (gaps >= 0).all()
+    assert len(benchmark.inter_token_gaps(res.token_times, [])) == 0

@@ -74,8 +74,9 @@ def _setup(cfg: DisaggConfig, rank: int):
     return w, manager, PagedKVCache.for_model(w, manager=manager)
 
 
-def prefill_worker(rank: int, cfg: DisaggConfig, requests: list[tuple[int, list[int], int]], results) -> None:
-    """Prefill each ``(req_id, prompt_ids, max_new_tokens)``, send its blocks to the decode worker, free them."""
+def prefill_worker(rank: int, cfg: DisaggConfig, requests: list[tuple], results) -> None:
+    """Prefill each ``(req_id, prompt_ids, max_new_tokens[, arrival_s])`` once it has arrived (seconds after both
+    workers are ready), send its blocks to the decode worker, free them."""
     from lesson_utils.disagg.transfer import pack_blocks
     from lesson_utils.memory.block_table import blocks_needed
     from lesson_utils.serving import sampling
@@ -94,17 +95,23 @@ def prefill_worker(rank: int, cfg: DisaggConfig, requests: list[tuple[int, list[
     try:
         w, manager, cache = _setup(cfg, rank)
         runner = ModelRunner(w, cache)
-        for req_id, prompt, max_new in requests:
+        dist.barrier()  # both workers loaded: the clock starts
+        t0 = time.time()
+        results.put(("start", t0))
+        for req_id, prompt, max_new, *arrival in requests:
+            wait = t0 + (arrival[0] if arrival else 0.0) - time.time()
+            if wait > 0:
+                time.sleep(wait)
             seq = Sequence(Request(req_id, 0.0, len(prompt), max_new, prompt_ids=list(prompt)))
             manager.allocate(seq)
             first = sampling.next_tokens([seq], runner.logits([seq]))[0]
             blocks = manager.block_table(req_id)[: blocks_needed(len(prompt), cfg.block_size)]
             packed = pack_blocks(cache.k_cache, cache.v_cache, blocks).cpu()
-            t0 = time.perf_counter()
+            t_send = time.perf_counter()
             send(torch.tensor([req_id, len(prompt), first, max_new, len(blocks)], dtype=torch.int64))
             send(torch.tensor(list(blocks) + list(prompt), dtype=torch.int64))
             send(packed)
-            results.put(("sent", req_id, packed.numel() * packed.element_size(), time.perf_counter() - t0))
+            results.put(("sent", req_id, packed.numel() * packed.element_size(), time.perf_counter() - t_send))
             manager.free_seq(req_id)
         send(torch.tensor([END, 0, 0, 0, 0], dtype=torch.int64))
         results.put(("prefill done", manager.allocator.num_free == cfg.num_blocks))
@@ -116,8 +123,32 @@ def prefill_worker(rank: int, cfg: DisaggConfig, requests: list[tuple[int, list[
             dist.destroy_process_group()
 
 
+def _receive(inbox: queue.Queue, layers: int, block_shape: tuple, dtype: torch.dtype) -> None:
+    """The decode worker's receiving thread: blocking receives (gloo's asynchronous ones do not report completion
+    until waited on), each bounded by the process group's timeout; every request, the end of the stream (None) or
+    the error goes into ``inbox`` for the main thread, which owns the cache."""
+    try:
+        while True:
+            header = torch.zeros(5, dtype=torch.int64)
+            dist.recv(header, PREFILL)
+            req_id, num_tokens, first, max_new, num_blocks = header.tolist()
+            if req_id == END:
+                inbox.put(None)
+                return
+            meta = torch.zeros(num_blocks + num_tokens, dtype=torch.int64)
+            dist.recv(meta, PREFILL)
+            payload = torch.empty((2, layers, num_blocks) + block_shape, dtype=dtype)
+            t = time.perf_counter()
+            dist.recv(payload, PREFILL)
+            inbox.put((req_id, num_tokens, first, max_new, meta, payload, time.perf_counter() - t))
+    except Exception as err:  # noqa: BLE001 - handed to the main thread, which fails cleanly
+        inbox.put(err)
+
+
 def decode_worker(rank: int, cfg: DisaggConfig, results) -> None:
     """Receive prefilled requests and decode them; report each one's tokens, and that every block came back."""
+    import threading
+
     from lesson_utils.disagg.transfer import transfer_plan, unpack_blocks
     from lesson_utils.serving.engine import Engine
     from lesson_utils.types import Request, Sequence
@@ -127,50 +158,64 @@ def decode_worker(rank: int, cfg: DisaggConfig, results) -> None:
         w, manager, cache = _setup(cfg, rank)
         engine = Engine(w, cache, stop_at_eos=cfg.stop_at_eos)
         k0 = cache.k_cache[0]
-        header = torch.zeros(5, dtype=torch.int64)
-        pending = dist.irecv(header, PREFILL)
+        dist.barrier()
+        step_times: list[float] = []  # wall time at the end of every decode step
+        adopted_at: dict[int, float] = {}
+        inbox: queue.Queue = queue.Queue()
+        threading.Thread(
+            target=_receive, args=(inbox, len(cache.k_cache), tuple(k0.shape[1:]), k0.dtype), daemon=True
+        ).start()
         stream_open = True
         while stream_open or engine.scheduler.has_work:
-            if stream_open and (not engine.scheduler.has_work or pending.is_completed()):
-                pending.wait()  # bounded by the process group's timeout
-                req_id, num_tokens, first, max_new, num_blocks = header.tolist()
-                if req_id == END:
+            while stream_open:  # adopt everything that has arrived; wait (bounded) only when there is nothing to decode
+                try:
+                    item = inbox.get_nowait() if engine.scheduler.has_work else inbox.get(timeout=cfg.timeout_s + 5)
+                except queue.Empty:
+                    if engine.scheduler.has_work:
+                        break
+                    raise TimeoutError(f"nothing from the prefill worker for {cfg.timeout_s + 5:.0f} s") from None
+                if isinstance(item, BaseException):
+                    raise item
+                if item is None:
                     stream_open = False
-                else:
-                    meta = torch.zeros(num_blocks + num_tokens, dtype=torch.int64)
-                    dist.recv(meta, PREFILL)
-                    src, prompt = meta[:num_blocks].tolist(), meta[num_blocks:].tolist()
-                    while manager.allocator.num_free < num_blocks and engine.scheduler.has_work:
-                        _report(results, engine.step())  # make room by decoding (finished requests free blocks)
-                    plan = transfer_plan(req_id, src, num_tokens, cfg.block_size, manager.allocator.allocate)
-                    payload = torch.empty((2, len(cache.k_cache), num_blocks) + tuple(k0.shape[1:]), dtype=k0.dtype)
-                    dist.recv(payload, PREFILL)
-                    unpack_blocks(payload, cache.k_cache, cache.v_cache, plan.dst_blocks)
-                    manager.adopt(req_id, plan.dst_blocks, num_tokens)
-                    seq = Sequence(
-                        Request(req_id, 0.0, num_tokens, max_new, prompt_ids=prompt),
-                        eos_token_id=w.eos_token_id if cfg.stop_at_eos else None,
-                        kv_len=num_tokens,
-                        admitted_step=len(engine.stats),
-                    )
-                    seq.append_token(first, len(engine.stats))
-                    engine.scheduler.add_running(seq)
-                    pending = dist.irecv(header, PREFILL)
+                    break
+                req_id, num_tokens, first, max_new, meta, payload, recv_s = item
+                num_blocks = payload.shape[2]
+                src, prompt = meta[:num_blocks].tolist(), meta[num_blocks:].tolist()
+                while manager.allocator.num_free < num_blocks and engine.scheduler.has_work:
+                    _report(results, engine.step(), step_times, adopted_at)  # finished requests free blocks
+                plan = transfer_plan(req_id, src, num_tokens, cfg.block_size, manager.allocator.allocate)
+                unpack_blocks(payload, cache.k_cache, cache.v_cache, plan.dst_blocks)
+                manager.adopt(req_id, plan.dst_blocks, num_tokens)
+                results.put(("received", req_id, payload.numel() * payload.element_size(), recv_s))
+                seq = Sequence(
+                    Request(req_id, 0.0, num_tokens, max_new, prompt_ids=prompt),
+                    eos_token_id=w.eos_token_id if cfg.stop_at_eos else None,
+                    kv_len=num_tokens,
+                    admitted_step=len(engine.stats),
+                )
+                seq.append_token(first, len(engine.stats))
+                adopted_at[req_id] = time.time()  # its first token is here: the user can see it
+                engine.scheduler.add_running(seq)
             if engine.scheduler.has_work:
-                _report(results, engine.step())
+                _report(results, engine.step(), step_times, adopted_at)
         results.put(("decode done", manager.allocator.num_free == cfg.num_blocks))
+        dist.destroy_process_group()
     except Exception as err:  # noqa: BLE001 - reported to the parent, which raises it
         freed = _free_everything(manager)
         results.put(("error", "decode", f"{type(err).__name__}: {err}", freed))
-        raise SystemExit(1) from err
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        results.close()
+        results.join_thread()  # the report must leave before the process does
+        os._exit(1)  # not destroy_process_group: the receiving thread may still be blocked in gloo
 
 
-def _report(results, done) -> None:
+def _report(results, done, step_times: list[float], adopted_at: dict[int, float]) -> None:
+    """After a decode step: note its end time; send every finished request's tokens and their wall times (the
+    first token's time is when its blocks were adopted, the others' the end of the step that made them)."""
+    step_times.append(time.time())
     for seq in done:
-        results.put(("done", seq.seq_id, list(seq.output_ids)))
+        times = [adopted_at[seq.seq_id]] + [step_times[k] for k in seq.token_steps[1:]]
+        results.put(("done", seq.seq_id, list(seq.output_ids), times))
 
 
 def _free_everything(manager) -> bool:
@@ -185,8 +230,10 @@ def _free_everything(manager) -> bool:
 @dataclass
 class DisaggResult:
     outputs: dict[int, list[int]]
+    token_times: dict[int, list[float]]  # wall time each token reached the decode worker (seconds after start)
     bytes_sent: dict[int, int]
-    send_s: dict[int, float]
+    send_s: dict[int, float]  # the prefill worker's three sends
+    recv_s: dict[int, float]  # the decode worker's receive of the K/V payload
     all_blocks_free: bool
 
 
@@ -206,6 +253,7 @@ def run_disaggregated(cfg: DisaggConfig, requests: list[tuple[int, list[int], in
     for p in procs.values():
         p.start()
     outputs, sizes, times, errors, finished = {}, {}, {}, [], {}
+    token_times, recv, start = {}, {}, []
     deadline = time.monotonic() + 2 * cfg.timeout_s + 60  # start-up (spawn, imports, model) included
     try:
         while len(finished) < 2 and not errors:
@@ -220,6 +268,12 @@ def run_disaggregated(cfg: DisaggConfig, requests: list[tuple[int, list[int], in
                     errors.append(f"the workers did not finish within {2 * cfg.timeout_s + 60:.0f} s (stuck?)")
                     break
                 continue
+            if msg[0] == "done":
+                token_times[msg[1]] = msg[3]
+            elif msg[0] == "received":
+                recv[msg[1]] = msg[3]
+            elif msg[0] == "start":
+                start.append(msg[1])
             _handle(msg, outputs, sizes, times, errors, finished)
     finally:
         for p in procs.values():
@@ -231,7 +285,9 @@ def run_disaggregated(cfg: DisaggConfig, requests: list[tuple[int, list[int], in
     errors = [e for e in errors if not e.startswith(tuple(crashed))]
     if errors or crashed:
         raise DisaggError("disaggregated serving failed: " + "; ".join(crashed + errors))
-    return DisaggResult(outputs, sizes, times, all(finished.values()))
+    t0 = start[0] if start else 0.0
+    rel = {rid: [t - t0 for t in ts] for rid, ts in token_times.items()}
+    return DisaggResult(outputs, rel, sizes, times, recv, all(finished.values()))
 
 
 def _handle(msg, outputs, sizes, times, errors, finished) -> None:
