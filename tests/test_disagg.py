@@ -125,3 +125,17 @@ def test_serve_engine_records_every_tokens_time(tiny):
     gaps = benchmark.inter_token_gaps(res.token_times, [0, 1])
     assert len(gaps) == 2 * (6 - 1) and (gaps >= 0).all()
     assert len(benchmark.inter_token_gaps(res.token_times, [])) == 0
+
+
+@pytest.mark.slow
+def test_a_decode_worker_dying_fails_clearly_and_the_prefill_side_frees_its_blocks(saved_model):
+    start = time.monotonic()
+    with pytest.raises(DisaggError) as err:
+        run_disaggregated(
+            DisaggConfig(model_dir=saved_model, num_blocks=32, block_size=4, timeout_s=5, decode_fail_after=1),
+            [(r, p, n, 0.5 * r) for r, p, n in _requests()],  # the second request is sent after the decode side died
+        )
+    assert time.monotonic() - start < 90
+    message = str(err.value)
+    assert "the decode worker exited with code 18" in message
+    assert "the prefill worker failed" in message and "it freed its blocks: True" in message

@@ -46,6 +46,7 @@ class DisaggConfig:
     timeout_s: float = 20.0  # every wait on the other worker
     stop_at_eos: bool = True
     fail_after_messages: int | None = None  # tests: the prefill worker dies after sending this many messages
+    decode_fail_after: int | None = None  # tests: the decode worker dies after adopting this many requests
     extra: dict = field(default_factory=dict)
 
 
@@ -84,6 +85,7 @@ def prefill_worker(rank: int, cfg: DisaggConfig, requests: list[tuple], results)
     from lesson_utils.types import Request, Sequence
 
     sent = 0
+    manager = None
 
     def send(t: torch.Tensor) -> None:
         nonlocal sent
@@ -106,7 +108,7 @@ def prefill_worker(rank: int, cfg: DisaggConfig, requests: list[tuple], results)
             manager.allocate(seq)
             first = sampling.next_tokens([seq], runner.logits([seq]))[0]
             blocks = manager.block_table(req_id)[: blocks_needed(len(prompt), cfg.block_size)]
-            packed = pack_blocks(cache.k_cache, cache.v_cache, blocks).cpu()
+            packed = _to_host(pack_blocks(cache.k_cache, cache.v_cache, blocks))
             t_send = time.perf_counter()
             send(torch.tensor([req_id, len(prompt), first, max_new, len(blocks)], dtype=torch.int64))
             send(torch.tensor(list(blocks) + list(prompt), dtype=torch.int64))
@@ -116,14 +118,15 @@ def prefill_worker(rank: int, cfg: DisaggConfig, requests: list[tuple], results)
         send(torch.tensor([END, 0, 0, 0, 0], dtype=torch.int64))
         results.put(("prefill done", manager.allocator.num_free == cfg.num_blocks))
     except Exception as err:  # noqa: BLE001 - reported to the parent, which raises it
-        results.put(("error", "prefill", f"{type(err).__name__}: {err}"))
+        freed = _free_everything(manager)
+        results.put(("error", "prefill", f"{type(err).__name__}: {err}", freed))
         raise SystemExit(1) from err
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
 
 
-def _receive(inbox: queue.Queue, layers: int, block_shape: tuple, dtype: torch.dtype) -> None:
+def _receive(inbox: queue.Queue, layers: int, block_shape: tuple, dtype: torch.dtype, pin: bool) -> None:
     """The decode worker's receiving thread: blocking receives (gloo's asynchronous ones do not report completion
     until waited on), each bounded by the process group's timeout; every request, the end of the stream (None) or
     the error goes into ``inbox`` for the main thread, which owns the cache."""
@@ -137,7 +140,7 @@ def _receive(inbox: queue.Queue, layers: int, block_shape: tuple, dtype: torch.d
                 return
             meta = torch.zeros(num_blocks + num_tokens, dtype=torch.int64)
             dist.recv(meta, PREFILL)
-            payload = torch.empty((2, layers, num_blocks) + block_shape, dtype=dtype)
+            payload = torch.empty((2, layers, num_blocks) + block_shape, dtype=dtype, pin_memory=pin)
             t = time.perf_counter()
             dist.recv(payload, PREFILL)
             inbox.put((req_id, num_tokens, first, max_new, meta, payload, time.perf_counter() - t))
@@ -163,7 +166,7 @@ def decode_worker(rank: int, cfg: DisaggConfig, results) -> None:
         adopted_at: dict[int, float] = {}
         inbox: queue.Queue = queue.Queue()
         threading.Thread(
-            target=_receive, args=(inbox, len(cache.k_cache), tuple(k0.shape[1:]), k0.dtype), daemon=True
+            target=_receive, args=(inbox, len(cache.k_cache), tuple(k0.shape[1:]), k0.dtype, k0.is_cuda), daemon=True
         ).start()
         stream_open = True
         while stream_open or engine.scheduler.has_work:
@@ -197,6 +200,8 @@ def decode_worker(rank: int, cfg: DisaggConfig, results) -> None:
                 seq.append_token(first, len(engine.stats))
                 adopted_at[req_id] = time.time()  # its first token is here: the user can see it
                 engine.scheduler.add_running(seq)
+                if cfg.decode_fail_after is not None and len(adopted_at) >= cfg.decode_fail_after:
+                    os._exit(18)  # a crash, as far as the other worker can tell
             if engine.scheduler.has_work:
                 _report(results, engine.step(), step_times, adopted_at)
         results.put(("decode done", manager.allocator.num_free == cfg.num_blocks))
@@ -207,6 +212,15 @@ def decode_worker(rank: int, cfg: DisaggConfig, results) -> None:
         results.close()
         results.join_thread()  # the report must leave before the process does
         os._exit(1)  # not destroy_process_group: the receiving thread may still be blocked in gloo
+
+
+def _to_host(t: torch.Tensor) -> torch.Tensor:
+    """gloo sends host tensors: a GPU tensor goes through pinned host memory (one device-to-host copy)."""
+    if not t.is_cuda:
+        return t
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t)
+    return host
 
 
 def _report(results, done, step_times: list[float], adopted_at: dict[int, float]) -> None:
