@@ -113,3 +113,26 @@ def test_the_public_import_paths_hold():
     for n in range(9):
         assert hasattr(importlib.import_module(f"lesson_utils.checks.lesson{n:02d}"), "__doc__")
     assert importlib.util.find_spec("course_tools.run_all") is not None  # the README names it as run_all's successor
+
+
+def test_every_subpackage_ships_in_the_wheel():
+    """Colab installs a wheel, not this folder: a subpackage setuptools does not find is missing there."""
+    import fnmatch
+
+    try:
+        import tomllib
+    except ImportError:  # Python 3.10
+        import tomli as tomllib
+    from setuptools import find_packages
+
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    include = config["tool"]["setuptools"]["packages"]["find"]["include"]
+    found = set(find_packages(str(ROOT), include=include))
+    on_disk = {
+        ".".join(d.relative_to(ROOT).parts)
+        for top in ("lesson_utils", "course_tools")
+        for d in [ROOT / top, *(ROOT / top).rglob("*")]
+        if d.is_dir() and any(d.glob("*.py")) and "__pycache__" not in d.parts
+    }
+    assert on_disk <= found, f"not packaged: {sorted(on_disk - found)} (an __init__.py missing?)"
+    assert all(any(fnmatch.fnmatch(p, pat) for pat in include) for p in found)
