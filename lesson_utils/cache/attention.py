@@ -131,8 +131,6 @@ def paged_attention_reference(
     (entries past a sequence's blocks are ignored); ``context_lens``: int ``[num_seqs]``, each >= 1.
     Returns ``[num_seqs, num_heads, head_dim]`` in ``q``'s dtype; softmax computed in fp32.
     """
-    from lesson_utils.cache.attention import attention_over_context
-
     if scale is None:
         scale = q.shape[-1] ** -0.5
     out = torch.empty_like(q)
@@ -170,15 +168,14 @@ def unified_attention_reference(
     """Attention of a flat batch of chunks and decodes through block tables, in plain torch: what lesson 08's
     kernel must reproduce. Sequence ``s``'s queries are rows ``query_start[s] .. query_start[s + 1] - 1`` of
     ``q`` ``[num_tokens, heads, d]``, the last tokens of its ``context_lens[s]``; each sees its cached keys and
-    the chunk's keys up to itself (:func:`attention_over_context` over the gathered K/V)."""
+    the chunk's keys up to itself (:func:`chunk_attention`, sequence by sequence)."""
     if scale is None:
         scale = q.shape[-1] ** -0.5
     out = torch.empty_like(q)
     starts = query_start.tolist()
     for s, ctx in enumerate(context_lens.tolist()):
         a, b = starts[s], starts[s + 1]
-        table = block_tables[s].tolist()
-        out[a:b] = attention_over_context(q[a:b], gather_kv(k_cache, table, ctx), gather_kv(v_cache, table, ctx), scale)
+        out[a:b] = chunk_attention(q[a:b], k_cache, v_cache, block_tables[s].tolist(), ctx, scale)
     return out
 
 

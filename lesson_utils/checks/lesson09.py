@@ -173,7 +173,7 @@ def _check_pack_blocks(pack_fn, unpack_fn) -> CheckResult:
     )
 
 
-def _manager(free_after=None):
+def _manager():
     m = BlockManager(8, 4, watermark=0.0)
     m.ensure_capacity(100, 5)  # another request already holds blocks 0, 1
     return m

@@ -47,7 +47,6 @@ class DisaggConfig:
     stop_at_eos: bool = True
     fail_after_messages: int | None = None  # tests: the prefill worker dies after sending this many messages
     decode_fail_after: int | None = None  # tests: the decode worker dies after adopting this many requests
-    extra: dict = field(default_factory=dict)
 
 
 def free_loopback_port() -> int:
@@ -251,6 +250,36 @@ class DisaggResult:
     all_blocks_free: bool
 
 
+@dataclass
+class _Collected:
+    """Everything the workers report through the result queue, as it arrives."""
+
+    outputs: dict = field(default_factory=dict)
+    token_times: dict = field(default_factory=dict)
+    sizes: dict = field(default_factory=dict)
+    send_s: dict = field(default_factory=dict)
+    recv_s: dict = field(default_factory=dict)
+    errors: list = field(default_factory=list)
+    finished: dict = field(default_factory=dict)  # worker -> all its blocks were free at the end
+    start: float = 0.0
+
+    def take(self, msg) -> None:
+        kind = msg[0]
+        if kind == "start":
+            self.start = msg[1]
+        elif kind == "done":
+            self.outputs[msg[1]], self.token_times[msg[1]] = msg[2], msg[3]
+        elif kind == "sent":
+            self.sizes[msg[1]], self.send_s[msg[1]] = msg[2], msg[3]
+        elif kind == "received":
+            self.recv_s[msg[1]] = msg[3]
+        elif kind in ("prefill done", "decode done"):
+            self.finished[kind.split()[0]] = msg[1]
+        elif kind == "error":
+            freed = f" (it freed its blocks: {msg[3]})" if len(msg) > 3 else ""
+            self.errors.append(f"the {msg[1]} worker failed: {msg[2]}{freed}")
+
+
 def run_disaggregated(cfg: DisaggConfig, requests: list[tuple[int, list[int], int]]) -> DisaggResult:
     """Start both workers (spawned processes), collect their results; raise :class:`DisaggError` if either dies
     or stalls (within about ``2 x cfg.timeout_s``), after stopping the other."""
@@ -266,58 +295,34 @@ def run_disaggregated(cfg: DisaggConfig, requests: list[tuple[int, list[int], in
     }
     for p in procs.values():
         p.start()
-    outputs, sizes, times, errors, finished = {}, {}, {}, [], {}
-    token_times, recv, start = {}, {}, []
+    got = _Collected()
     deadline = time.monotonic() + 2 * cfg.timeout_s + 60  # start-up (spawn, imports, model) included
     try:
-        while len(finished) < 2 and not errors:
+        while len(got.finished) < 2 and not got.errors:
             try:
-                msg = results.get(timeout=0.5)
+                got.take(results.get(timeout=0.5))
             except queue.Empty:
-                dead = [n for n, p in procs.items() if p.exitcode not in (None, 0) and n not in finished]
-                if dead:  # wait (bounded) for the other worker's report, then stop
-                    _drain(results, errors, outputs, finished, wait_s=cfg.timeout_s + 5)
+                if any(p.exitcode not in (None, 0) for n, p in procs.items() if n not in got.finished):
+                    _drain(results, got, wait_s=cfg.timeout_s + 5)  # the other worker's report, bounded
                     break
                 if time.monotonic() > deadline:
-                    errors.append(f"the workers did not finish within {2 * cfg.timeout_s + 60:.0f} s (stuck?)")
+                    got.errors.append(f"the workers did not finish within {2 * cfg.timeout_s + 60:.0f} s (stuck?)")
                     break
-                continue
-            if msg[0] == "done":
-                token_times[msg[1]] = msg[3]
-            elif msg[0] == "received":
-                recv[msg[1]] = msg[3]
-            elif msg[0] == "start":
-                start.append(msg[1])
-            _handle(msg, outputs, sizes, times, errors, finished)
     finally:
         for p in procs.values():
             p.join(timeout=cfg.timeout_s + 5)
             if p.is_alive():
                 p.terminate()
                 p.join(timeout=5)
+    # exit code 1 is a worker that failed and reported why; anything else died without a word
     crashed = [f"the {n} worker exited with code {p.exitcode}" for n, p in procs.items() if p.exitcode not in (0, 1)]
-    errors = [e for e in errors if not e.startswith(tuple(crashed))]
-    if errors or crashed:
-        raise DisaggError("disaggregated serving failed: " + "; ".join(crashed + errors))
-    t0 = start[0] if start else 0.0
-    rel = {rid: [t - t0 for t in ts] for rid, ts in token_times.items()}
-    return DisaggResult(outputs, rel, sizes, times, recv, all(finished.values()))
+    if got.errors or crashed:
+        raise DisaggError("disaggregated serving failed: " + "; ".join(crashed + got.errors))
+    rel = {rid: [t - got.start for t in ts] for rid, ts in got.token_times.items()}
+    return DisaggResult(got.outputs, rel, got.sizes, got.send_s, got.recv_s, all(got.finished.values()))
 
 
-def _handle(msg, outputs, sizes, times, errors, finished) -> None:
-    kind = msg[0]
-    if kind == "done":
-        outputs[msg[1]] = msg[2]
-    elif kind == "sent":
-        sizes[msg[1]], times[msg[1]] = msg[2], msg[3]
-    elif kind in ("prefill done", "decode done"):
-        finished[kind.split()[0]] = msg[1]
-    elif kind == "error":
-        freed = f" (it freed its blocks: {msg[3]})" if len(msg) > 3 else ""
-        errors.append(f"the {msg[1]} worker failed: {msg[2]}{freed}")
-
-
-def _drain(results, errors, outputs, finished, wait_s: float) -> None:
+def _drain(results, got: _Collected, wait_s: float) -> None:
     """After one worker died: wait (bounded) for the other's report."""
     end = time.monotonic() + wait_s
     while time.monotonic() < end:
@@ -325,6 +330,6 @@ def _drain(results, errors, outputs, finished, wait_s: float) -> None:
             msg = results.get(timeout=0.5)
         except queue.Empty:
             continue
-        _handle(msg, outputs, {}, {}, errors, finished)
-        if msg[0] == "error" or len(finished) == 2:
+        got.take(msg)
+        if msg[0] == "error" or len(got.finished) == 2:
             return
