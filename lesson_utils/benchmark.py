@@ -27,6 +27,7 @@ from functools import partial
 import numpy as np
 import torch
 
+from lesson_utils.serving.cost_model import StepCost, StepWork
 from lesson_utils.types import Request
 
 
@@ -40,6 +41,9 @@ class ServeResult:
     running: list[tuple[float, int]] = field(default_factory=list)  # (seconds since start, requests running)
     kv_used: list[tuple[float, float]] = field(default_factory=list)  # (seconds, share of the budget holding tokens)
     token_times: dict[int, list[float]] = field(default_factory=dict)  # req_id -> seconds since start of each token
+    e2e_s: dict[int, float] = field(default_factory=dict)  # req_id -> arrival to last token, seconds
+    steps: list[tuple[StepWork, float]] = field(default_factory=list)  # every model step: its work and seconds
+    batches: list[list[int]] = field(default_factory=list)  # HF: the req_ids of each static batch, as served
 
     @property
     def output_tokens(self) -> int:
@@ -53,6 +57,11 @@ class ServeResult:
         values = list((self.ttft_s if which == "ttft" else self.tpot_s).values())
         return float(np.percentile(values, q)) if values else float("nan")
 
+    @property
+    def normalized_latency(self) -> float:
+        """The paper's measure (§6.2, Fig. 12): the mean over requests of end-to-end latency / output tokens (s/token)."""
+        return float(np.mean([self.e2e_s[r] / len(self.outputs[r]) for r in self.e2e_s if self.outputs[r]]))
+
 
 def _trim(ids: list[int], n: int, eos: int | None) -> list[int]:
     ids = ids[:n]
@@ -61,17 +70,24 @@ def _trim(ids: list[int], n: int, eos: int | None) -> list[int]:
     return ids
 
 
+def _token_bar(desc: str, total: int, progress: bool):
+    """A bar that counts generated tokens: it moves every step, where a count of finished requests would stand
+    still while a static batch runs."""
+    if not progress:
+        return None
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc=desc, unit="tok", leave=False)
+
+
 def serve_engine(name: str, engine, requests: list[Request], progress: bool = True) -> ServeResult:
     """Add each request when its arrival time comes (a wall clock starting now); run until all are served."""
     pending = sorted(requests, key=lambda r: (r.arrival_s, r.req_id))
     seqs: dict[int, object] = {}
-    bar = None
-    if progress:
-        from tqdm.auto import tqdm
-
-        bar = tqdm(total=len(pending), desc=name, unit="req", leave=False)
+    bar = _token_bar(name, sum(r.output_len for r in requests), progress)
+    first_step = len(engine.stats)
     start = time.perf_counter()
-    i = 0
+    i = shown = 0
     sched = engine.scheduler
     while i < len(pending) or sched.has_work:
         now = time.perf_counter() - start
@@ -84,12 +100,15 @@ def serve_engine(name: str, engine, requests: list[Request], progress: bool = Tr
             seq.added_at = start + r.arrival_s  # latencies count from arrival, queueing included
             seqs[r.req_id] = seq
             i += 1
-        done = engine.step()
+        engine.step()
         if bar is not None:
-            bar.update(len(done))
+            generated = sum(s.num_generated for s in seqs.values())
+            bar.update(generated - shown)
+            shown = generated
     wall = time.perf_counter() - start
     if bar is not None:
         bar.close()
+    stats = engine.stats[first_step:]
     outputs = {rid: list(s.output_ids) for rid, s in seqs.items()}
     ttft = {rid: s.first_token_s for rid, s in seqs.items()}
     tpot = {
@@ -97,11 +116,13 @@ def serve_engine(name: str, engine, requests: list[Request], progress: bool = Tr
         for rid, s in seqs.items()
         if len(s.output_ids) > 1
     }
-    running = [(st.t - start, st.running) for st in engine.stats]
-    kv = [(st.t - start, st.kv_tokens / st.kv_slots) for st in engine.stats if st.kv_slots]
-    t_of = {st.step: st.t - start for st in engine.stats}
+    running = [(st.t - start, st.running) for st in stats]
+    kv = [(st.t - start, st.kv_tokens / st.kv_slots) for st in stats if st.kv_slots]
+    t_of = {st.step: st.t - start for st in stats}
     times = {rid: [t_of[k] for k in s.token_steps] for rid, s in seqs.items()}
-    return ServeResult(name, outputs, ttft, tpot, wall, running, kv, times)
+    e2e = {rid: s.finished_s for rid, s in seqs.items()}
+    steps = [(st.work, st.seconds) for st in stats]
+    return ServeResult(name, outputs, ttft, tpot, wall, running, kv, times, e2e, steps)
 
 
 def inter_token_gaps(token_times: dict[int, list[float]], req_ids) -> np.ndarray:
@@ -181,41 +202,67 @@ class _StepClock:
 
     On a GPU the scores are only queued when the processor runs: it waits for them first, so the first time
     it notes (the time to first token) includes the prefill rather than the moment it was launched.
+    ``on_step(k)`` is called after step ``k`` (0 is the prefill) - the progress bar's hook.
     """
 
-    def __init__(self):
+    def __init__(self, on_step=None):
         self.times: list[float] = []
+        self.on_step = on_step
 
     def __call__(self, input_ids, scores):
         _synchronize(scores)
         self.times.append(time.perf_counter())
+        if self.on_step is not None:
+            self.on_step(len(self.times) - 1)
         return scores
 
 
-def static_batches(requests: list[Request], batch_size: int, max_positions: int) -> list[list[Request]]:
-    """Requests in arrival order, cut into batches of at most ``batch_size`` that each fit the model.
+def _fits_alone(r: Request, max_positions: int) -> None:
+    if r.prompt_len + r.output_len > max_positions:
+        raise ValueError(f"request {r.req_id} needs {r.prompt_len} + {r.output_len} positions; the model has {max_positions}")
 
-    A left-padded batch is as wide as its longest prompt and generates for its longest output, so it needs
-    ``max(prompt_len) + max(output_len)`` positions; a batch is closed before the request that would push that
-    past ``max_positions``. Raises ``ValueError`` for a request that cannot fit even alone.
-    """
+
+def next_static_batch(queue: list[Request], now: float, batch_size: int, max_positions: int) -> list[Request]:
+    """The batch a static-batching server starts at time ``now``: from the head of ``queue`` (arrival order),
+    the requests that have arrived, at most ``batch_size``, closed before the one that would push the padded
+    batch (longest prompt + longest output) past ``max_positions``. Empty when the head has not arrived yet.
+    ``queue`` is not changed."""
+    batch: list[Request] = []
+    width = longest = 0
+    for r in queue:
+        if r.arrival_s > now or len(batch) == batch_size:
+            break
+        _fits_alone(r, max_positions)
+        if batch and max(width, r.prompt_len) + max(longest, r.output_len) > max_positions:
+            break
+        batch.append(r)
+        width, longest = max(width, r.prompt_len), max(longest, r.output_len)
+    return batch
+
+
+def static_batches(requests: list[Request], batch_size: int, max_positions: int) -> list[list[Request]]:
+    """The batches :func:`next_static_batch` forms when every request has arrived (the offline case): requests in
+    arrival order, cut into batches of at most ``batch_size`` that each fit the model. Raises ``ValueError`` for a
+    request that cannot fit even alone."""
     if batch_size < 1:
         raise ValueError(f"batch_size must be at least 1, got {batch_size}")
-    batches: list[list[Request]] = []
-    width = longest = 0
-    for r in sorted(requests, key=lambda r: (r.arrival_s, r.req_id)):
-        if r.prompt_len + r.output_len > max_positions:
-            raise ValueError(
-                f"request {r.req_id} needs {r.prompt_len} + {r.output_len} positions; the model has {max_positions}"
-            )
-        fits = max(width, r.prompt_len) + max(longest, r.output_len) <= max_positions
-        if batches and len(batches[-1]) < batch_size and fits:
-            batches[-1].append(r)
-            width, longest = max(width, r.prompt_len), max(longest, r.output_len)
-        else:
-            batches.append([r])
-            width, longest = r.prompt_len, r.output_len
+    queue = sorted(requests, key=lambda r: (r.arrival_s, r.req_id))
+    for r in queue:
+        _fits_alone(r, max_positions)
+    batches = []
+    while queue:
+        batch = next_static_batch(queue, float("inf"), batch_size, max_positions)
+        batches.append(batch)
+        queue = queue[len(batch) :]
     return batches
+
+
+def _batch_work(batch: list[Request], k: int) -> StepWork:
+    """Step ``k`` of a padded batch (0 = the prefill of every row's padded prompt): every row is computed."""
+    width = max(r.prompt_len for r in batch)
+    if k == 0:
+        return StepWork(0, len(batch) * width, len(batch) * width)
+    return StepWork(len(batch), 0, len(batch) * (width + k))
 
 
 def serve_hf_static(
@@ -226,30 +273,42 @@ def serve_hf_static(
     pad_token_id: int = 1,
     progress: bool = True,
 ) -> ServeResult:
-    """Hugging Face ``generate`` in static, left-padded batches (see the module docstring)."""
+    """Hugging Face ``generate`` on static, left-padded batches (module docstring). When the previous batch is done,
+    the next one starts with the requests that have arrived (:func:`next_static_batch`; if none has, it waits for
+    the next arrival) and runs until its longest member is done: newcomers wait for the batch to end."""
     from transformers import LogitsProcessorList
 
     device = next(model.parameters()).device
-    batches = static_batches(requests, batch_size, model.config.max_position_embeddings)  # in arrival order
-    outputs, ttft, tpot, running = {}, {}, {}, []
-    bar = None
-    if progress:
-        from tqdm.auto import tqdm
-
-        bar = tqdm(total=len(requests), desc="HF static batches", unit="req", leave=False)
+    max_positions = model.config.max_position_embeddings
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be at least 1, got {batch_size}")
+    queue = sorted(requests, key=lambda r: (r.arrival_s, r.req_id))
+    for r in queue:
+        _fits_alone(r, max_positions)
+    outputs, ttft, tpot, e2e, running, steps, batches = {}, {}, {}, {}, [], [], []
+    bar = _token_bar("HF static batches", sum(r.output_len for r in requests), progress)
     start = time.perf_counter()
-    for batch in batches:
-        ready = max(r.arrival_s for r in batch)
+    while queue:
         now = time.perf_counter() - start
-        if ready > now:
-            time.sleep(ready - now)
+        if queue[0].arrival_s > now:
+            time.sleep(queue[0].arrival_s - now)
+            now = queue[0].arrival_s
+        batch = next_static_batch(queue, now, batch_size, max_positions)
+        queue = queue[len(batch) :]
+        batches.append([r.req_id for r in batch])
         width = max(r.prompt_len for r in batch)
         ids = torch.full((len(batch), width), pad_token_id, dtype=torch.long)  # built on the host, moved once
         mask = torch.zeros((len(batch), width), dtype=torch.long)
         for row, r in enumerate(batch):
             ids[row, width - r.prompt_len :] = torch.tensor(r.prompt_ids)
             mask[row, width - r.prompt_len :] = 1
-        clock = _StepClock()
+
+        def tick(k, batch=batch):
+            if bar is not None:
+                bar.update(sum(r.output_len > k for r in batch))
+
+        clock = _StepClock(tick)
+        launched = time.perf_counter()
         with torch.inference_mode():
             out = model.generate(
                 ids.to(device),
@@ -260,22 +319,47 @@ def serve_hf_static(
                 pad_token_id=pad_token_id,
                 logits_processor=LogitsProcessorList([clock]),
             )
+        marks = [launched] + clock.times
+        steps += [(_batch_work(batch, k), marks[k + 1] - marks[k]) for k in range(len(clock.times))]
         for row, r in enumerate(batch):
             gen = _trim(out[row, width:].tolist(), r.output_len, eos_token_id)
             outputs[r.req_id] = gen
             first = clock.times[0] - start
             last = clock.times[min(len(gen), len(clock.times)) - 1] - start
             ttft[r.req_id] = first - r.arrival_s
+            e2e[r.req_id] = last - r.arrival_s
             if len(gen) > 1:
                 tpot[r.req_id] = (last - first) / (len(gen) - 1)
-            running.append((first, len(batch)))
-        running.append((clock.times[-1] - start, 0))
-        if bar is not None:
-            bar.update(len(batch))
+        running += [(launched - start, len(batch)), (clock.times[-1] - start, 0)]
     wall = time.perf_counter() - start
     if bar is not None:
         bar.close()
-    return ServeResult("HF generate (static batches)", outputs, ttft, tpot, wall, running)
+    return ServeResult("HF generate (static batches)", outputs, ttft, tpot, wall, running, e2e_s=e2e, steps=steps, batches=batches)
+
+
+def padded_rows(batches: list[list[int]], output_lens: dict[int, int]) -> tuple[int, int]:
+    """(decode rows computed, output tokens) of static batches as served: a batch computes every row until its
+    longest output is done, so a row of a request that finished early is computed (and thrown away) meanwhile."""
+    computed = sum(len(b) * max(output_lens[r] for r in b) for b in batches)
+    return computed, sum(output_lens[r] for b in batches for r in b)
+
+
+def simulate_hf_static(requests: list[Request], batch_size: int, max_positions: int, cost: StepCost) -> dict[int, float]:
+    """Static batching in a model of time: batches formed as :func:`serve_hf_static` forms them, each step costing
+    what ``cost`` (fitted to HF's own measured steps) says. Returns each request's end-to-end latency (seconds)."""
+    queue = sorted(requests, key=lambda r: (r.arrival_s, r.req_id))
+    clock, e2e = 0.0, {}
+    while queue:
+        clock = max(clock, queue[0].arrival_s)
+        batch = next_static_batch(queue, clock, batch_size, max_positions)
+        queue = queue[len(batch) :]
+        ends = []
+        for k in range(max(r.output_len for r in batch)):
+            clock += cost(_batch_work(batch, k))
+            ends.append(clock)
+        for r in batch:
+            e2e[r.req_id] = ends[r.output_len - 1] - r.arrival_s
+    return e2e
 
 
 @dataclass

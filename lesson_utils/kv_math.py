@@ -1,4 +1,4 @@
-"""Lesson 00: exact KV-cache byte accounting from a model config.
+"""Lessons 00 and 07: exact KV-cache byte accounting from a model config, and what a budget holds.
 
 Every token of every layer stores one key and one value vector per KV head:
 ``bytes per token = 2 (K and V) x layers x kv_heads x head_dim x bytes per element``.
@@ -9,6 +9,9 @@ For OPT-125m in fp16 that is 2 x 12 x 12 x 64 x 2 = 36,864 B (36 KiB), as the pa
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
+
+from lesson_utils.memory.block_table import blocks_needed
 
 GiB = 2**30
 MiB = 2**20
@@ -95,3 +98,38 @@ def t4_slots_for_opt125m() -> int:
     from transformers import OPTConfig
 
     return kv_budget(OPTConfig(), dtype_bytes=2).tokens
+
+
+class Capacity(NamedTuple):
+    """What a KV budget holds at one moment of a memory-bound steady state (lesson 07's prediction)."""
+
+    naive_running: int  # requests the naive engine runs at once
+    naive_utilization: float  # share of the whole budget holding token states, naive engine
+    paged_running: int  # requests the paged engine runs at once
+    paged_utilization: float  # share of the whole budget holding token states, paged engine
+
+
+def predict_capacity(budget_slots: int, max_model_len: int, block_size: int, tokens_held: list[int]) -> Capacity:
+    """Reference for exercise 07-2: lesson 01's reservation and lesson 03's blocks, applied to a queue.
+
+    ``tokens_held[i]`` is what request ``i`` of the line holds (prompt and tokens generated so far), first come
+    first. The naive engine reserves ``max_model_len`` slots per request; the paged engine gives each request
+    whole blocks of ``block_size`` slots, and the budget holds only whole blocks. Both admit in order while the
+    next request fits: one that does not fit stops the line (first come, first served). Utilization is the
+    share of the whole budget holding token states. ``tokens_held`` is not changed; a request holding fewer
+    than 1 or more than ``max_model_len`` tokens is a ``ValueError``.
+    """
+    for i, t in enumerate(tokens_held):
+        if not 1 <= t <= max_model_len:
+            raise ValueError(f"request {i} holds {t} tokens; a request holds 1 to max_model_len={max_model_len}")
+    naive = min(len(tokens_held), budget_slots // max_model_len)
+    blocks_left, paged = budget_slots // block_size, 0
+    for t in tokens_held:
+        need = blocks_needed(t, block_size)
+        if need > blocks_left:
+            break
+        blocks_left -= need
+        paged += 1
+    return Capacity(
+        naive, sum(tokens_held[:naive]) / budget_slots, paged, sum(tokens_held[:paged]) / budget_slots
+    )

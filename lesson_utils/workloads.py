@@ -220,3 +220,38 @@ def multi_prefix_stream(
             replace(r, prompt_len=len(ids), prompt_ids=ids, shared_prefix_len=prefix_len, tags={"prefix": int(k)})
         )
     return out
+
+
+def system_prompt_stream(
+    n: int,
+    rate_per_s: float,
+    *,
+    max_model_len: int,
+    system_prompt_len: int,
+    vocab_size: int,
+    bos_token_id: int,
+    scale: float = 1.0,
+    share_fraction: float = 0.5,
+    profile: LengthProfile = SHAREGPT,
+    seed: int = 0,
+) -> list[Request]:
+    """Lesson 07's workload: ``profile``-like lengths (times ``scale``), Poisson arrivals, and a share of the
+    requests behind one system prompt. Each prompt is ``[bos] + system prompt (if shared) + user part``, at most
+    ``max_model_len // 2`` tokens (the user part is cut), and each output at most what the model's length limit
+    leaves. ``shared_prefix_len`` counts the bos and the system prompt. Ids avoid OPT's special tokens (0-3)."""
+    if system_prompt_len < 0 or 1 + system_prompt_len >= max_model_len // 2:
+        raise ValueError(
+            f"a system prompt of {system_prompt_len} tokens leaves no room for a user prompt under a "
+            f"{max_model_len // 2}-token prompt limit"
+        )
+    rng = np.random.default_rng(seed + 5)
+    system = rng.integers(4, vocab_size, system_prompt_len).tolist()
+    out = []
+    for r in synthetic_stream(profile, n, rate_per_s, seed, scale):
+        shares = bool(rng.random() < share_fraction)
+        head = [bos_token_id] + (system if shares else [])
+        user = rng.integers(4, vocab_size, r.prompt_len).tolist()
+        ids = (head + user)[: max(len(head) + 1, max_model_len // 2)]
+        output = max(1, min(r.output_len, max_model_len - len(ids)))
+        out.append(replace(r, prompt_len=len(ids), output_len=output, prompt_ids=ids, shared_prefix_len=len(head) if shares else 0))
+    return out

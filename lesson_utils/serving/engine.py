@@ -29,6 +29,7 @@ import torch
 
 from lesson_utils.model.opt_forward import OPTWeights
 from lesson_utils.serving.beam_search import BeamGroup
+from lesson_utils.serving.cost_model import StepWork
 from lesson_utils.serving.model_runner import ModelRunner
 from lesson_utils.serving.scheduler import FCFSScheduler, StepPlan
 from lesson_utils.serving.step import StepResult, serve_step
@@ -77,6 +78,14 @@ class StepStats:
     kv_slots: int = 0  # the whole KV budget, in slots
     t: float = 0.0  # time.perf_counter() at the end of the step
     tokens: int = 0  # tokens the model computed this step (prompt tokens and decodes)
+    decodes: int = 0  # sequences that decoded one token
+    context_tokens: int = 0  # K/V tokens attended over, summed over the step's sequences
+    kv_held: int = 0  # slots held or reserved for sequences after the step (token states included)
+
+    @property
+    def work(self) -> StepWork:
+        """What the step computed, as the cost model sees it."""
+        return StepWork(self.decodes, self.prefill_tokens, self.context_tokens)
 
 
 def _positive_int(value, what: str) -> int:
@@ -216,6 +225,7 @@ class Engine:
         sch = self.scheduler
         free = sch.manager.num_free_blocks
         br = sch.manager.breakdown()
+        work = StepWork.of_plan(plan)
         self.stats.append(
             StepStats(
                 self._step,
@@ -228,7 +238,10 @@ class Engine:
                 br["token states"],
                 sum(br.values()),
                 now,
-                sum(plan.num_tokens or []),
+                work.decodes + work.prefill_tokens,
+                work.decodes,
+                work.context_tokens,
+                sum(br.values()) - br["free"],
             )
         )
 

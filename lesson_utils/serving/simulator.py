@@ -7,6 +7,11 @@ Steps in which nothing is running and nobody waits are skipped (jump to the next
 
 Because the scheduler and memory managers are the same objects the real engine uses, experiments at
 T4 scale (OPT-125m geometry, a 15 GiB T4's KV budget) need no GPU: they are exact byte accounting.
+
+Time, two ways. By default every step lasts ``step_time_s`` (memory experiments: only the ratio of arrival
+rate to step rate matters). With ``step_cost=`` (a :class:`~lesson_utils.serving.cost_model.StepCost` fitted to a
+real engine's steps) each step lasts what that model says its work costs, and the result carries every
+request's latency: a rate sweep of the real engine's decisions at the real engine's speed, in seconds.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from typing import Callable
 
 import numpy as np
 
+from lesson_utils.serving.cost_model import StepCost, StepWork
 from lesson_utils.serving.scheduler import FCFSScheduler, StepPlan
 from lesson_utils.serving.step import serve_step
 from lesson_utils.types import MemoryManager, Request, Sequence
@@ -60,6 +66,24 @@ class SimResult:
     map_stride: int = 1
     finished: list[Sequence] = field(default_factory=list)
     num_preemptions: int = 0
+    step_end_s: np.ndarray | None = None  # with a step cost: the clock at the end of each step (steps 0, 1, ...)
+
+    def e2e_s(self) -> dict[int, float]:
+        """(With a step cost) each finished request's arrival-to-last-token latency, seconds."""
+        if self.step_end_s is None:
+            raise ValueError("latencies need a clock: simulate with step_cost=")
+        return {s.seq_id: float(self.step_end_s[s.finished_step]) - s.request.arrival_s for s in self.finished}
+
+    def normalized_latency(self) -> float:
+        """(With a step cost) the paper's measure: mean over requests of end-to-end latency / output tokens."""
+        e2e = self.e2e_s()
+        return float(np.mean([e2e[s.seq_id] / s.num_generated for s in self.finished]))
+
+    def wall_s(self) -> float:
+        """(With a step cost) the clock when the last step ended."""
+        if self.step_end_s is None:
+            raise ValueError("a wall time needs a clock: simulate with step_cost=")
+        return float(self.step_end_s[-1]) if len(self.step_end_s) else 0.0
 
     @property
     def saturated(self) -> np.ndarray:
@@ -101,11 +125,12 @@ def simulate(
     progress: bool = True,
     scheduler: FCFSScheduler | None = None,
     runner: AccountingRunner | None = None,
+    step_cost: StepCost | None = None,
 ) -> SimResult:
     """Serve ``requests`` (arrival times in seconds) with ``manager``; record memory every step.
 
     ``step_time_s`` converts arrival times to steps (only the ratio of arrival rate to step rate matters
-    for memory). ``map_every > 0`` keeps a strided memory map (``map_columns`` slots wide) every that
+    for memory); ``step_cost`` replaces it with a model of each step's time (module docstring). ``map_every > 0`` keeps a strided memory map (``map_columns`` slots wide) every that
     many steps, for pictures. ``max_steps`` stops early (the rest stay unserved).
     """
     scheduler = scheduler or FCFSScheduler(manager, max_num_seqs=max_num_seqs)
@@ -141,15 +166,25 @@ def simulate(
 
     runner = runner or AccountingRunner()
     runner.on_step = record  # a runner of the caller's (a subclass, say) records this simulation too
-    step, nxt = 0, 0
+    step, nxt, clock, step_end = 0, 0, 0.0, []
     while nxt < len(pending) or scheduler.has_work:
-        if not scheduler.has_work and arrival_step[nxt] > step:
-            step = arrival_step[nxt]  # idle: jump to the next arrival
-        while nxt < len(pending) and arrival_step[nxt] <= step:
-            scheduler.add(Sequence(pending[nxt]))
-            nxt += 1
+        if step_cost is None:
+            if not scheduler.has_work and arrival_step[nxt] > step:
+                step = arrival_step[nxt]  # idle: jump to the next arrival
+            while nxt < len(pending) and arrival_step[nxt] <= step:
+                scheduler.add(Sequence(pending[nxt]))
+                nxt += 1
+        else:  # the real engine's loop: whatever has arrived by now joins, an idle server waits for the next
+            if not scheduler.has_work and pending[nxt].arrival_s > clock:
+                clock = pending[nxt].arrival_s
+            while nxt < len(pending) and pending[nxt].arrival_s <= clock:
+                scheduler.add(Sequence(pending[nxt]))
+                nxt += 1
 
-        _, done = serve_step(scheduler, runner, scheduler.manager, step)
+        plan, done = serve_step(scheduler, runner, scheduler.manager, step)
+        if step_cost is not None:
+            clock += step_cost(StepWork.of_plan(plan))
+            step_end.append(clock)
         if bar is not None and done:
             bar.update(len(done))
         step += 1
@@ -171,6 +206,7 @@ def simulate(
         map_stride=stride,
         finished=scheduler.finished,
         num_preemptions=scheduler.num_preemptions,
+        step_end_s=None if step_cost is None else np.array(step_end),
     )
 
 

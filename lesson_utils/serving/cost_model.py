@@ -1,0 +1,95 @@
+"""What a step costs: the work it does (:class:`StepWork`) and a cost model fitted to measured steps (:class:`StepCost`).
+
+A step's time is modelled as ``fixed + per_decode x decodes + per_prefill_token x prefill tokens +
+per_context_token x context tokens``: a part every step pays (on a GPU above all reading the weights once; on
+a CPU the weight matmuls and the framework's per-operation overhead), a part per sequence that decodes, a
+part per prompt token fed, and a part per cached token attended over. :meth:`StepCost.fit` finds the four
+coefficients from a server's own measured steps (least squares, none negative); the simulator
+(:func:`lesson_utils.serving.simulator.simulate` with ``step_cost=``) then advances its clock by the modelled
+cost of each step it plans, so a rate sweep that would take hours of real serving on a CPU takes seconds -
+and says it is a model, checked against the real run at the rate that ran.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+FEATURES = ("fixed", "per decode", "per prefill token", "per context token")
+
+
+@dataclass(frozen=True)
+class StepWork:
+    """The work of one step: sequences that decoded one token, prompt tokens fed, and K/V tokens attended over
+    (summed over the step's sequences, their new tokens included)."""
+
+    decodes: int
+    prefill_tokens: int
+    context_tokens: int
+
+    @classmethod
+    def of_plan(cls, plan) -> "StepWork":
+        """The work of a :class:`~lesson_utils.serving.scheduler.StepPlan` once it has run (each scheduled
+        sequence's ``kv_len`` then counts the tokens its last token attended over)."""
+        fed = sum(plan.tokens_to_feed()) if plan.num_tokens is None else sum(plan.num_tokens)
+        return cls(fed - plan.prefill_tokens, plan.prefill_tokens, sum(s.kv_len for s in plan.scheduled))
+
+    def features(self) -> np.ndarray:
+        return np.array([1.0, self.decodes, self.prefill_tokens, self.context_tokens])
+
+
+def _nonnegative_least_squares(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """argmin ||a x - b|| subject to x >= 0. The optimum is the plain least-squares solution on some subset of
+    the columns that comes out non-negative; with four columns all 16 subsets are tried and the best kept."""
+    n = a.shape[1]
+    best, best_residual = np.zeros(n), float(np.sum(b**2))
+    for mask in range(1, 2**n):
+        cols = [i for i in range(n) if mask >> i & 1]
+        sol, *_ = np.linalg.lstsq(a[:, cols], b, rcond=None)
+        if (sol < 0).any():
+            continue
+        x = np.zeros(n)
+        x[cols] = sol
+        residual = float(np.sum((a @ x - b) ** 2))
+        if residual < best_residual - 1e-15:
+            best, best_residual = x, residual
+    return best
+
+
+@dataclass(frozen=True)
+class StepCost:
+    """Seconds a step costs, as a linear function of its :class:`StepWork` (module docstring)."""
+
+    fixed_s: float
+    per_decode_s: float
+    per_prefill_token_s: float
+    per_context_token_s: float
+    num_steps: int = 0  # how many measured steps the fit used
+    median_error: float = float("nan")  # median |predicted - measured| / measured over those steps
+
+    def __call__(self, work: StepWork) -> float:
+        return float(self.coefficients() @ work.features())
+
+    def coefficients(self) -> np.ndarray:
+        return np.array([self.fixed_s, self.per_decode_s, self.per_prefill_token_s, self.per_context_token_s])
+
+    @classmethod
+    def fit(cls, works: list[StepWork], seconds: list[float]) -> "StepCost":
+        """The least-squares fit (no coefficient negative) to measured steps; needs at least four."""
+        if len(works) != len(seconds):
+            raise ValueError(f"{len(works)} steps of work but {len(seconds)} timings")
+        if len(works) < 4:
+            raise ValueError(f"fitting four coefficients needs at least four measured steps, got {len(works)}")
+        a = np.stack([w.features() for w in works])
+        y = np.asarray(seconds, dtype=float)
+        x = _nonnegative_least_squares(a, y)
+        err = np.abs(a @ x - y) / np.maximum(y, 1e-12)
+        return cls(*map(float, x), num_steps=len(works), median_error=float(np.median(err)))
+
+    def describe(self) -> str:
+        return (
+            f"{self.fixed_s * 1e3:.1f} ms + {self.per_decode_s * 1e3:.2f} ms per decode + "
+            f"{self.per_prefill_token_s * 1e3:.3f} ms per prompt token + {self.per_context_token_s * 1e6:.2f} µs "
+            f"per context token (fitted to {self.num_steps} steps; median step error {100 * self.median_error:.0f} %)"
+        )

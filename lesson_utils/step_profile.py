@@ -1,0 +1,140 @@
+"""Lesson 07: where one decode step's time goes, measured rather than guessed.
+
+A decode step's fixed cost is often explained as "reading every weight of the model once". That is a
+prediction: :func:`profile_decode_step` checks it. It measures
+
+* the step itself (:func:`lesson_utils.timing.measure`: warm-up, repeats, median and spread);
+* the weight bytes a step reads (every parameter once; OPT's output layer is its tied embedding) and this
+  device's copy bandwidth, hence how long reading them would take at that bandwidth;
+* with PyTorch's profiler, the step's time in the weight matmuls (``aten::addmm``, ``aten::mm``), in every other
+  operator, and outside any operator (Python: the course's forward code, scheduler and block manager);
+* the operators per step and the measured cost of launching one trivial operator, hence the framework's
+  per-operator overhead.
+
+The profiler slows what it watches: shares come from the profiled steps, absolute times from the unprofiled ones.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from lesson_utils.timing import Measurement, measure
+
+MATMULS = ("aten::addmm", "aten::mm")
+
+
+@dataclass
+class StepProfile:
+    """What :func:`profile_decode_step` measured (seconds and bytes; shares of one step)."""
+
+    sequences: int  # sequences decoding in each measured step
+    step: Measurement  # the unprofiled decode step ("decode step")
+    weight_bytes: int
+    copy: Measurement  # the copy of copy_bytes bytes ("copy")
+    copy_bytes: int
+    matmul_share: float  # of the profiled step: weight matmuls
+    other_ops_share: float  # every other operator
+    python_share: float  # outside any operator
+    ops_per_step: float  # operators called from Python per step
+    op_launch: Measurement  # one trivial operator ("one operator")
+    device: str
+
+    @property
+    def step_s(self) -> float:
+        return self.step["decode step"].median
+
+    @property
+    def copy_gb_s(self) -> float:
+        """Bytes moved (read and written) per second by a large copy, in GB/s."""
+        return 2 * self.copy_bytes / self.copy["copy"].median / 1e9
+
+    @property
+    def weights_read_s(self) -> float:
+        """Seconds reading every weight once would take at the measured copy bandwidth."""
+        return self.weight_bytes / (self.copy_gb_s * 1e9)
+
+    @property
+    def overhead_s(self) -> float:
+        """Operators per step times the measured cost of launching one."""
+        return self.ops_per_step * self.op_launch["one operator"].median
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of every distinct parameter (a tied embedding counts once: the output layer reads the same matrix)."""
+    seen, total = set(), 0
+    for p in model.parameters():
+        if p.data_ptr() not in seen:
+            seen.add(p.data_ptr())
+            total += p.numel() * p.element_size()
+    return total
+
+
+def _sync(device: torch.device):
+    if device.type == "cuda":
+        return lambda: torch.cuda.synchronize(device)
+    return None
+
+
+def profile_decode_step(engine, model: torch.nn.Module, *, repeats: int = 5, copy_mib: int = 128) -> StepProfile:
+    """Profile ``engine``'s decode steps. Every sequence in it must already be decoding (prefilled), with enough
+    tokens left for ``2 * repeats + 6`` more steps; each measured step is one real step of the engine."""
+    device = next(model.parameters()).device
+    sync = _sync(device)
+    n = len(engine.scheduler.running)
+    if n == 0 or engine.scheduler.waiting:
+        raise ValueError("profile a step of sequences that are all running (prefilled), none waiting")
+    step = measure({"decode step": engine.step}, repeats=repeats, warmup=1, sync=sync)
+
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    on_gpu = device.type == "cuda"
+    if on_gpu:
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    profiled = 3
+    with torch.profiler.profile(activities=activities) as prof:
+        t0 = time.perf_counter()
+        for _ in range(profiled):
+            engine.step()
+        if sync is not None:
+            sync()
+        wall = time.perf_counter() - t0
+    events = prof.events()
+    top = [e for e in events if e.cpu_parent is None and e.name.startswith("aten::")]
+    attr = "self_device_time_total" if on_gpu else "self_cpu_time_total"
+    matmul = sum(getattr(e, attr) for e in events if e.name in MATMULS) / 1e6
+    if on_gpu:
+        busy = sum(getattr(e, attr) for e in events if e.name.startswith("aten::")) / 1e6
+    else:
+        busy = sum(e.cpu_time_total for e in top) / 1e6
+    matmul_share = min(1.0, matmul / wall)
+    ops_share = min(1.0 - matmul_share, max(0.0, busy / wall - matmul_share))
+
+    a = torch.ones(1, device=device)
+    b = torch.ones(1, device=device)
+    out = torch.empty(1, device=device)
+
+    def many_adds():
+        for _ in range(1000):
+            torch.add(a, b, out=out)
+
+    launch = measure({"one operator": many_adds}, repeats=5, warmup=1, sync=sync, value=lambda _, s: s / 1000)
+
+    nbytes = copy_mib * 2**20
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    copy = measure({"copy": lambda: dst.copy_(src)}, repeats=5, warmup=1, sync=sync)
+    return StepProfile(
+        n,
+        step,
+        weight_bytes(model),
+        copy,
+        nbytes,
+        matmul_share,
+        ops_share,
+        max(0.0, 1.0 - matmul_share - ops_share),
+        len(top) / profiled,
+        launch,
+        str(device),
+    )
