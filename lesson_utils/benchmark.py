@@ -219,7 +219,9 @@ class _StepClock:
 
 def _fits_alone(r: Request, max_positions: int) -> None:
     if r.prompt_len + r.output_len > max_positions:
-        raise ValueError(f"request {r.req_id} needs {r.prompt_len} + {r.output_len} positions; the model has {max_positions}")
+        raise ValueError(
+            f"request {r.req_id} needs {r.prompt_len} + {r.output_len} positions; the model has {max_positions}"
+        )
 
 
 def next_static_batch(queue: list[Request], now: float, batch_size: int, max_positions: int) -> list[Request]:
@@ -334,7 +336,9 @@ def serve_hf_static(
     wall = time.perf_counter() - start
     if bar is not None:
         bar.close()
-    return ServeResult("HF generate (static batches)", outputs, ttft, tpot, wall, running, e2e_s=e2e, steps=steps, batches=batches)
+    return ServeResult(
+        "HF generate (static batches)", outputs, ttft, tpot, wall, running, e2e_s=e2e, steps=steps, batches=batches
+    )
 
 
 def padded_rows(batches: list[list[int]], output_lens: dict[int, int]) -> tuple[int, int]:
@@ -344,7 +348,9 @@ def padded_rows(batches: list[list[int]], output_lens: dict[int, int]) -> tuple[
     return computed, sum(output_lens[r] for b in batches for r in b)
 
 
-def simulate_hf_static(requests: list[Request], batch_size: int, max_positions: int, cost: StepCost) -> dict[int, float]:
+def simulate_hf_static(
+    requests: list[Request], batch_size: int, max_positions: int, cost: StepCost
+) -> dict[int, float]:
     """Static batching in a model of time: batches formed as :func:`serve_hf_static` forms them, each step costing
     what ``cost`` (fitted to HF's own measured steps) says. Returns each request's end-to-end latency (seconds)."""
     queue = sorted(requests, key=lambda r: (r.arrival_s, r.req_id))

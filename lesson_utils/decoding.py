@@ -127,3 +127,36 @@ def _median_times(w, prompt, max_new_tokens, cached, repeats, sync, progress) ->
                 progress.update(1)
         runs.append(times)
     return [sorted(col)[len(col) // 2] for col in zip(*runs)]
+
+
+def last_token_timing(w: OPTWeights, prompt: list[int], *, repeats: int = 5, threads: int | None = None):
+    """The time of one decode step at the end of ``prompt``, with a cache and without, by the course's timing
+    protocol (:func:`lesson_utils.timing.measure`: warm-up, repeats in alternating order, median and spread).
+
+    Each timed call builds its own stepper and feeds it ``prompt[:-1]`` untimed; only the step that feeds the last
+    token is on the clock: one token through the model with a cache, the whole sequence without."""
+    from lesson_utils.timing import measure
+
+    sync = torch.cuda.synchronize if w.embed_tokens.is_cuda else (lambda: None)
+
+    def one(cached: bool) -> float:
+        step = Stepper(w, cached=cached)
+        if cached:
+            step(prompt[:-1])
+        sync()
+        t0 = time.perf_counter()
+        step(prompt[-1:] if cached else prompt)
+        sync()
+        return time.perf_counter() - t0
+
+    saved = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        return measure(
+            {"with cache": lambda: one(True), "without cache": lambda: one(False)},
+            repeats=repeats,
+            value=lambda seconds, _: seconds,
+        )
+    finally:
+        torch.set_num_threads(saved)

@@ -130,6 +130,4 @@ def predict_capacity(budget_slots: int, max_model_len: int, block_size: int, tok
             break
         blocks_left -= need
         paged += 1
-    return Capacity(
-        naive, sum(tokens_held[:naive]) / budget_slots, paged, sum(tokens_held[:paged]) / budget_slots
-    )
+    return Capacity(naive, sum(tokens_held[:naive]) / budget_slots, paged, sum(tokens_held[:paged]) / budget_slots)

@@ -140,7 +140,9 @@ class Ratio:
     repeats: int
 
     def text(self, digits: int = 2) -> str:
-        return f"{self.median:.{digits}f}x (median of {self.repeats} rounds, {self.low:.{digits}f}-{self.high:.{digits}f})"
+        return (
+            f"{self.median:.{digits}f}x (median of {self.repeats} rounds, {self.low:.{digits}f}-{self.high:.{digits}f})"
+        )
 
     def __str__(self) -> str:
         return self.text()

@@ -253,5 +253,9 @@ def system_prompt_stream(
         user = rng.integers(4, vocab_size, r.prompt_len).tolist()
         ids = (head + user)[: max(len(head) + 1, max_model_len // 2)]
         output = max(1, min(r.output_len, max_model_len - len(ids)))
-        out.append(replace(r, prompt_len=len(ids), output_len=output, prompt_ids=ids, shared_prefix_len=len(head) if shares else 0))
+        out.append(
+            replace(
+                r, prompt_len=len(ids), output_len=output, prompt_ids=ids, shared_prefix_len=len(head) if shares else 0
+            )
+        )
     return out

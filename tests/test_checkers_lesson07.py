@@ -68,3 +68,118 @@ def test_mistakes(w):
     assert rejected(lesson07.check_engine_step(returns_only_the_finished, w), "a step returns (plan, finished)")
     assert rejected(lesson07.check_engine_step(run_then_admit, w), "in which step is a new request prefilled")
     assert rejected(lesson07.check_engine_step(no_cache, w), "when are computed blocks registered")
+
+
+# ---- exercise 07-2: predict_capacity -----------------------------------------------------------------------
+from lesson_utils.kv_math import Capacity, predict_capacity  # noqa: E402
+
+
+def _capacity(budget, max_len, bs, held, *, blocks=None, budget_blocks=None, skip=False, of_held=False):
+    """The reference with one thing changed (each keyword is one plausible mistake)."""
+    for t in held:
+        if not 1 <= t <= max_len:
+            raise ValueError("impossible request")
+    blocks = blocks or (lambda t: -(-t // bs))
+    left = budget_blocks(budget, bs) if budget_blocks else budget // bs
+    naive = min(len(held), budget // max_len)
+    paged, taken = 0, []
+    for t in held:
+        if blocks(t) > left:
+            if skip:
+                continue
+            break
+        left -= blocks(t)
+        paged += 1
+        taken.append(t)
+    denominator = sum(blocks(t) for t in taken) * bs if of_held else budget
+    return Capacity(naive, sum(held[:naive]) / budget, paged, sum(taken) / max(denominator, 1))
+
+
+def test_the_reference_prediction_passes():
+    assert lesson07.check_predict_capacity(predict_capacity).passed
+    assert lesson07.check_predict_capacity(lambda *a: tuple(predict_capacity(*a))).passed  # a plain tuple will do
+
+
+def test_capacity_mistakes_are_caught():
+    def floor_blocks(b, m, bs, h):
+        return _capacity(b, m, bs, h, blocks=lambda t: t // bs)
+
+    def true_division(b, m, bs, h):  # exact only where every length is a multiple of the block size
+        return _capacity(b, m, bs, h, blocks=lambda t: t / bs, budget_blocks=lambda b_, bs_: b_ / bs_)
+
+    def partial_block_counts(b, m, bs, h):
+        return _capacity(b, m, bs, h, budget_blocks=lambda b_, bs_: -(-b_ // bs_))
+
+    def overtakes(b, m, bs, h):
+        return _capacity(b, m, bs, h, skip=True)
+
+    def share_of_held(b, m, bs, h):
+        return _capacity(b, m, bs, h, of_held=True)
+
+    def sorts_the_line(b, m, bs, h):
+        h.sort()
+        return predict_capacity(b, m, bs, h)
+
+    def float_counts(b, m, bs, h):
+        c = predict_capacity(b, m, bs, h)
+        return (b / m if b // m <= len(h) else float(len(h)), c[1], float(c[2]), c[3])
+
+    def more_than_in_line(b, m, bs, h):
+        c = predict_capacity(b, m, bs, h)
+        return (b // m, sum(h[: b // m]) / b, c[2], c[3])
+
+    def ignores_block_size_16(b, m, bs, h):  # right only when the block size is 16
+        return predict_capacity(b, m, 16, h)
+
+    def no_refusal(b, m, bs, h):
+        return predict_capacity(b, m, bs, [min(max(t, 1), m) for t in h])
+
+    def checks_only_the_first(b, m, bs, h):
+        if h and not 1 <= h[0] <= m:
+            raise ValueError("bad")
+        return predict_capacity(b, m, bs, [min(max(t, 1), m) for t in h])
+
+    def refuses_after_changing(b, m, bs, h):
+        for i, t in enumerate(h):
+            if not 1 <= t <= m:
+                h[i] = 1
+                raise ValueError("bad")
+        return predict_capacity(b, m, bs, h)
+
+    def three_values(b, m, bs, h):
+        c = predict_capacity(b, m, bs, h)
+        return c.naive_running, c.paged_running, c.paged_utilization
+
+    for wrong, words in [
+        (floor_blocks, "tokens take"),
+        (true_division, "whole blocks"),
+        (partial_block_counts, "whole blocks of"),
+        (overtakes, "go first"),
+        (share_of_held, "WHOLE budget"),
+        (sorts_the_line, "changed its input `tokens_held`"),
+        (float_counts, "whole number"),
+        (more_than_in_line, "more requests than there are in line"),
+        (ignores_block_size_16, "expected"),
+        (no_refusal, "expected a ValueError"),
+        (checks_only_the_first, "the fourth"),
+        (refuses_after_changing, "changed `tokens_held` first"),
+        (three_values, "four values"),
+    ]:
+        assert rejected(lesson07.check_predict_capacity(wrong), words), wrong.__name__
+
+
+def test_an_unsolved_prediction_is_reported_politely():
+    def stub(*_):
+        raise NotImplementedError("predict_capacity")
+
+    result = lesson07.check_predict_capacity(stub)
+    assert not result.passed and not result.implemented and result.use is predict_capacity
+
+
+def test_the_prediction_verdict_does_not_depend_on_reruns():
+    def wrong(b, m, bs, h):
+        return _capacity(b, m, bs, h, skip=True)
+
+    first = lesson07.check_predict_capacity(wrong, quiet=True)
+    again = lesson07.check_predict_capacity(wrong, quiet=True)
+    assert first.message == again.message and not first.passed

@@ -142,6 +142,7 @@ def _capacity_cases() -> list[tuple]:
         (500, 128, 16, [100, 90, 80, 3, 2, 1, 70, 60]),  # 500 slots: 31 whole blocks; 3 whole reservations
         (100, 64, 7, [20, 50, 3, 6, 7, 8, 14]),  # 14 whole blocks of 7
         (100, 64, 10, [30, 60, 20, 5]),  # the 20 does not fit and stops the line, although the 5 would
+        (50, 64, 8, [8, 8, 8, 8, 8, 8, 8, 3]),  # 50 slots hold 6 whole blocks of 8, not 7
         (1000, 256, 12, [25, 13, 12, 200]),  # fewer requests than the budget could hold
         (96, 128, 32, [5, 5]),  # the budget is smaller than one reservation
         (64, 32, 16, []),  # nobody in line
@@ -173,7 +174,20 @@ def _capacity_equal(expected, got) -> bool:
     )
 
 
+def _paged_running(budget: int, bs: int, held: list[int], blocks, budget_blocks, overtake: bool) -> int:
+    left, running = budget_blocks(budget, bs), 0
+    for t in held:
+        if blocks(t, bs) > left:
+            if overtake:
+                continue
+            break
+        left -= blocks(t, bs)
+        running += 1
+    return running
+
+
 def _capacity_hint(case, expected, got) -> str:
+    """A question aimed at the likely mistake, found by recomputing the paged count the wrong ways."""
     budget, max_len, bs, held = case
     if not isinstance(got, (tuple, list)) or len(got) != 4:
         return "return four values in order: naive running, naive utilization, paged running, paged utilization"
@@ -184,10 +198,20 @@ def _capacity_hint(case, expected, got) -> str:
             return "can an engine run more requests than there are in line?"
         return f"how many whole reservations of {max_len} slots fit in {budget} slots?"
     if got[2] != expected[2]:
+        ceil, floor = (lambda t, b: -(-t // b)), (lambda t, b: t // b)
+        whole, partial = (lambda n, b: n // b), (lambda n, b: -(-n // b))
+        if got[2] == _paged_running(budget, bs, held, floor, whole, False):
+            return f"how many blocks of {bs} slots do {bs + 1} tokens take?"
+        if got[2] == _paged_running(budget, bs, held, ceil, partial, False):
+            return f"how many whole blocks of {bs} slots are there in {budget} slots?"
+        if got[2] == _paged_running(budget, bs, held, ceil, whole, True):
+            return "once a request does not fit, may the one behind it go first?"
         return (
             f"how many whole blocks of {bs} slots does the budget hold, and how many does a request of "
             f"{bs + 1} tokens take? And once a request does not fit, may the one behind it go first?"
         )
+    if any(isinstance(x, (int, float)) and x > 1 for x in (got[1], got[3])):
+        return "a share of the budget is at most 1: what did you divide by?"
     return (
         "the counts are right: utilization is the share of the WHOLE budget that holds token states "
         "(not of the slots held or reserved)"
@@ -220,7 +244,9 @@ def check_predict_capacity(fn, quiet: bool = False) -> CheckResult:
         if problem is not None:
             return problem
         if not same_value(before, held):
-            return failed(name, f"for {what} your code raised, but changed `tokens_held` first", predict_capacity, quiet)
+            return failed(
+                name, f"for {what} your code raised, but changed `tokens_held` first", predict_capacity, quiet
+            )
     return passed(
         name,
         f"all {len(_capacity_cases())} cases match (block sizes and budgets of every kind, lines that stop at a "

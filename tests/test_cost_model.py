@@ -1,0 +1,125 @@
+"""Lesson 07's cost model: the work of a step, the fit to measured steps, and the simulator driven by it - which
+must make the real engine's decisions step for step."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from lesson_utils import benchmark, workloads
+from lesson_utils.cache.paged import PagedKVCache
+from lesson_utils.cache.reserved import ReservedKVCache
+from lesson_utils.memory import reservation
+from lesson_utils.memory.block_manager import BlockManager
+from lesson_utils.memory.sharing import SharingBlockManager
+from lesson_utils.serving import simulator
+from lesson_utils.serving.cost_model import StepCost, StepWork
+from lesson_utils.serving.engine import Engine
+from lesson_utils.serving.scheduler import FCFSScheduler
+from lesson_utils.types import Request, Sequence
+
+
+def test_the_fit_recovers_the_coefficients_of_a_linear_cost():
+    rng = np.random.default_rng(0)
+    works = [StepWork(int(d), int(p), int(c)) for d, p, c in rng.integers(0, 200, (40, 3))]
+    truth = StepCost(0.05, 0.002, 0.001, 1e-5)
+    fit = StepCost.fit(works, [truth(w) for w in works])
+    assert np.allclose(fit.coefficients(), truth.coefficients(), rtol=1e-6)
+    assert fit.num_steps == 40 and fit.median_error < 1e-9
+
+
+def test_no_coefficient_is_negative():
+    works = [StepWork(d, 0, 0) for d in range(1, 20)]
+    seconds = [1.0 - 0.01 * d for d in range(1, 20)]  # "more work, less time": the fit may not say so
+    fit = StepCost.fit(works, seconds)
+    assert (fit.coefficients() >= 0).all()
+    assert fit.per_decode_s == 0 and fit.fixed_s == pytest.approx(np.mean(seconds))
+
+
+def test_fit_refuses_too_little_or_mismatched_data():
+    with pytest.raises(ValueError, match="at least four"):
+        StepCost.fit([StepWork(1, 0, 1)] * 3, [0.1] * 3)
+    with pytest.raises(ValueError, match="timings"):
+        StepCost.fit([StepWork(1, 0, 1)] * 5, [0.1] * 4)
+
+
+def test_the_work_of_a_plan():
+    mgr = BlockManager(64, 4)
+    sch = FCFSScheduler(mgr)
+    seqs = [Sequence(Request(i, 0.0, n, 5, prompt_ids=[5] * n)) for i, n in enumerate((3, 6))]
+    for s in seqs:
+        sch.add(s)
+    runner = simulator.AccountingRunner()
+    plan = sch.schedule(0)
+    runner.execute(plan)
+    assert StepWork.of_plan(plan) == StepWork(0, 9, 9)  # two prefills, every prompt token attended once
+    sch.retire_finished(0)
+    plan = sch.schedule(1)
+    runner.execute(plan)
+    assert StepWork.of_plan(plan) == StepWork(2, 0, 4 + 7)  # two decodes over 4 and 7 tokens
+
+
+def test_a_simulated_clock_follows_the_cost_model():
+    reqs = [Request(0, 0.0, 4, 3), Request(1, 10.0, 4, 2)]  # the second arrives long after the first is done
+    res = simulator.simulate(reqs, BlockManager(16, 4), step_cost=StepCost(0.5, 0.0, 0.0, 0.0), progress=False)
+    assert list(res.step_end_s) == [0.5, 1.0, 1.5, 10.5, 11.0]  # idle until the arrival, then two more steps
+    assert res.e2e_s() == {0: 1.5, 1: 1.0}
+    assert res.normalized_latency() == pytest.approx(np.mean([1.5 / 3, 1.0 / 2]))
+    assert res.wall_s() == 11.0
+    plain = simulator.simulate(reqs, BlockManager(16, 4), progress=False)
+    with pytest.raises(ValueError, match="step_cost"):
+        plain.e2e_s()
+
+
+def _manager(kind, budget, block_size=8):
+    if kind == "naive":
+        return reservation.ContiguousReservationManager(budget, "max", max_seq_len=64)
+    cls = BlockManager if kind == "paged" else SharingBlockManager
+    return cls(budget // block_size, block_size, max_seq_len=64)
+
+
+def _engine(w, kind, budget):
+    mgr = _manager(kind, budget)
+    cache = ReservedKVCache.for_model(w, mgr) if kind == "naive" else PagedKVCache.for_model(w, manager=mgr)
+    return Engine(w, cache, stop_at_eos=False), mgr
+
+
+@pytest.mark.parametrize("kind", ["naive", "paged", "prefix"])
+def test_offline_the_simulator_makes_the_engines_decisions_step_for_step(tiny, kind):
+    """All requests at time 0: the simulator's steps are the engine's (who ran, who was preempted), whatever the
+    clock, so a cost model fitted to the engine replays the engine's run."""
+    _, w = tiny
+    reqs = workloads.system_prompt_stream(
+        12, float("inf"), max_model_len=64, system_prompt_len=15, vocab_size=w.vocab_size, bos_token_id=2, scale=0.03
+    )
+    engine, _ = _engine(w, kind, 192)
+    res = benchmark.serve_engine(kind, engine, reqs, progress=False)
+    assert engine.scheduler.num_preemptions > 0 or kind == "naive"  # the budget is tight enough to matter
+    fit = StepCost.fit([wk for wk, _ in res.steps], [s for _, s in res.steps])
+    sim = simulator.simulate(reqs, _manager(kind, 192), step_cost=fit, progress=False)
+    assert list(sim.running) == [st.running for st in engine.stats]
+    assert sim.num_preemptions == engine.scheduler.num_preemptions
+    finished = {s.seq_id: s.finished_step for s in engine.scheduler.finished}
+    assert {s.seq_id: s.finished_step for s in sim.finished} == finished
+    assert sim.wall_s() == pytest.approx(sum(fit(st.work) for st in engine.stats))  # the same steps, costed alike
+
+
+def test_engine_statistics_carry_the_work(tiny):
+    _, w = tiny
+    engine, _ = _engine(w, "paged", 256)
+    out = engine.generate([[2, 5, 6, 7], [2, 9, 9]], 4)
+    assert all(len(o) == 4 for o in out)
+    first, second = engine.stats[0], engine.stats[1]
+    assert (first.prefill_tokens, first.decodes, first.context_tokens) == (7, 0, 7)
+    assert (second.prefill_tokens, second.decodes, second.context_tokens) == (0, 2, 5 + 4)
+    assert all(st.tokens == st.decodes + st.prefill_tokens for st in engine.stats)
+    assert all(st.kv_held >= st.kv_tokens for st in engine.stats)
+
+
+def test_offline_sweep_stream_replace():
+    # the notebook's "all at time 0" copy of a stream keeps everything but the arrival
+    reqs = workloads.sharegpt_like(5, rate_per_s=3, seed=1)
+    off = [replace(r, arrival_s=0.0) for r in reqs]
+    assert [r.prompt_len for r in off] == [r.prompt_len for r in reqs] and all(r.arrival_s == 0 for r in off)
