@@ -49,6 +49,7 @@ import base64
 import json
 import os
 import re
+import shutil
 import sys
 import threading
 import time
@@ -459,12 +460,17 @@ def _lesson_order(results: list[NotebookResult]) -> list[NotebookResult]:
 
 
 def _title_of(result: NotebookResult, out_dir: Path) -> str | None:
-    """The notebook's first Markdown heading ("# 02 · Measuring ..."), read from its executed copy."""
-    if not result.executed_path:
-        return None
-    try:
-        nb = nbformat.read(out_dir / result.executed_path, as_version=4)
-    except Exception:  # noqa: BLE001 - a title is a nicety
+    """The notebook's first Markdown heading ("# 02 · Measuring ..."), read from its executed copy, or from the
+    notebook itself where no copy is kept (a recorded run)."""
+    candidates = ([out_dir / result.executed_path] if result.executed_path else []) + [Path(result.path)]
+    nb = None
+    for candidate in candidates:
+        try:
+            nb = nbformat.read(candidate, as_version=4)
+            break
+        except Exception:  # noqa: BLE001 - a title is a nicety
+            continue
+    if nb is None:
         return None
     for cell in nb.cells:
         if cell.cell_type == "markdown":
@@ -511,8 +517,13 @@ def write_report(results: list[NotebookResult], out_dir: Path | str, *, wall_sec
         f"- **Result**: {passed}/{len(results)} notebooks passed"
         + (f" in {wall_seconds:.0f} s of wall time" if wall_seconds is not None else ""),
         "",
-        "Every number below was computed in this run, by the notebooks' own `KEY:` lines. Executed notebooks:",
-        "`solutions/` and `notebooks/` next to this file; machine-readable: `summary.json`.",
+        "Every number below was computed in this run, by the notebooks' own `KEY:` lines; machine-readable: "
+        "`summary.json`. "
+        + (
+            "Executed notebooks: `solutions/` and `notebooks/` next to this file."
+            if any(r.executed_path and (out_dir / r.executed_path).exists() for r in results)
+            else "The executed notebooks are not kept with this report (rerun `python -m course_tools.run_all` to get them)."
+        ),
         "",
         "| notebook | kind | result | wall time (s) | unsolved |",
         "|---|---|---|---:|---:|",
@@ -538,21 +549,36 @@ def write_report(results: list[NotebookResult], out_dir: Path | str, *, wall_sec
             f"- **Wall time**: {r.seconds:.1f} s",
             f"- **Device / profile**: {r.device_name or 'unknown'} / {r.profile or 'unknown'}",
         ]
-        if r.executed_path:
+        if r.executed_path and (out_dir / r.executed_path).exists():  # a recorded run keeps no notebooks: no dead link
             lines.append(f"- **Executed notebook**: [{r.executed_path}]({r.executed_path})")
-        if r.kernel_log:
+        if r.kernel_log and (out_dir / r.kernel_log).exists():
             lines.append(f"- **Kernel log**: [{r.kernel_log}]({r.kernel_log})")
         if not r.ok and r.error:
             lines += ["", "```text", *r.error.splitlines(), "```"]
         lines += ["", "**Key findings**", ""]
         lines += [f"- {line}" for line in r.key_lines] or ["- (none printed)"]
         lines += ["", "**Figures**", ""]
-        if r.figures:
-            lines += [f"![{Path(f).stem}]({f})" for f in r.figures]
+        figures = [f for f in r.figures if (out_dir / f).exists()]
+        if figures:
+            lines += [f"![{Path(f).stem}]({f})" for f in figures]
         else:
             lines.append("(none)")
     path.write_text("\n".join(lines) + "\n", encoding="utf-8")
     return path
+
+
+def record_run(run_dir: Path | str, dest: Path | str) -> Path:
+    """Copy a finished run into ``dest`` for ``docs/recorded_runs/``: its ``summary.json`` and ``figures/``, and a
+    ``report.md`` written anew there, so that it links only to files that are in ``dest`` (the executed notebooks
+    and kernel logs stay behind: megabytes per run). Returns the new report's path."""
+    run_dir, dest = Path(run_dir), Path(dest)
+    summary = load_summary(run_dir)
+    dest.mkdir(parents=True, exist_ok=True)
+    if (run_dir / "figures").is_dir():
+        shutil.copytree(run_dir / "figures", dest / "figures", dirs_exist_ok=True)
+    shutil.copy2(run_dir / "summary.json", dest / "summary.json")
+    results = [NotebookResult(**record) for record in summary["notebooks"]]
+    return write_report(results, dest, wall_seconds=summary.get("settings", {}).get("wall_seconds"))
 
 
 def load_summary(path: Path | str) -> dict:
@@ -667,6 +693,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--jobs", type=int, default=1, metavar="N", help="run up to N notebooks at once (default 1)")
     parser.add_argument(
+        "--record",
+        metavar="DIR",
+        help="also copy the run's summary, figures and a report that links only to them into DIR (for docs/recorded_runs/)",
+    )
+    parser.add_argument(
         "--compare",
         metavar="PREVIOUS_SUMMARY_JSON",
         help="print the wall time and KEY lines of a previous run (its summary.json or folder) next to this run's",
@@ -708,6 +739,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\n--- compared with {args.compare} ---")
         print(format_comparison(results, previous, "previous run"))
     print(f"\nexecuted notebooks, summary.json and report.md in {out_dir}")
+    if args.record:
+        print(f"recorded (summary, figures, report) in {record_run(out_dir, args.record).parent}")
     return 0 if all(r.ok for r in results) else 1
 
 

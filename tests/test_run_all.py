@@ -242,3 +242,22 @@ def test_recorded_runs_are_complete_and_comparable():
             for fig in nb["figures"]:
                 assert (folder / fig).is_file(), f"{folder.name}: figure {fig} is missing"
         assert (folder / "report.md").is_file()
+        assert _dead_links(folder / "report.md") == [], f"{folder.name}: its report links to files it does not hold"
+
+
+def _dead_links(report: Path) -> list[str]:
+    import re
+
+    targets = re.findall(r"\]\(([^)]+)\)", report.read_text(encoding="utf-8"))
+    return [t for t in targets if "://" not in t and not (report.parent / t).exists()]
+
+
+def test_a_recorded_run_links_only_to_what_it_keeps(ran, tmp_path):
+    _, out, _ = ran
+    report = run_all.record_run(out, tmp_path / "recorded")
+    assert _dead_links(out / "report.md") == []  # the run itself keeps its executed notebooks
+    assert "Executed notebook" in (out / "report.md").read_text()
+    text = report.read_text()
+    assert _dead_links(report) == [] and "Executed notebook" not in text and "not kept with this report" in text
+    assert (tmp_path / "recorded" / "summary.json").is_file() and "![" in text  # figures came along
+    assert run_all.load_summary(tmp_path / "recorded")["notebooks"] == run_all.load_summary(out)["notebooks"]
