@@ -9,6 +9,7 @@ from helpers import rejected
 from lesson_utils.checks import lesson09
 from lesson_utils.disagg.transfer import TransferPlan, pack_blocks, transfer_plan, unpack_blocks
 from lesson_utils.memory.block_table import BlockTable
+from lesson_utils.types import OutOfBlocks
 
 pytestmark = pytest.mark.usefixtures("not_strict")
 
@@ -31,39 +32,92 @@ def test_the_references_pass_and_stubs_are_unsolved():
     assert lesson09.check_pack_blocks(stub, stub).use == (pack_blocks, unpack_blocks)
 
 
-def full_blocks_only(seq_id, table, n, bs, allocate):
+def full_blocks_only(seq_id, table, n, bs, allocate, release):
     src = table[: n // bs]
     return TransferPlan(seq_id, n, src, [allocate() for _ in src])
 
 
-def whole_table(seq_id, table, n, bs, allocate):
+def whole_table(seq_id, table, n, bs, allocate, release):
     return TransferPlan(seq_id, n, list(table), [allocate() for _ in table])
 
 
-def reversed_destinations(seq_id, table, n, bs, allocate):
-    p = transfer_plan(seq_id, table, n, bs, allocate)
+def reversed_destinations(seq_id, table, n, bs, allocate, release):
+    p = transfer_plan(seq_id, table, n, bs, allocate, release)
     return TransferPlan(seq_id, n, p.src_blocks, p.dst_blocks[::-1])
 
 
-def pops_the_table(seq_id, table, n, bs, allocate):
-    p = transfer_plan(seq_id, list(table), n, bs, allocate)
+def pops_the_table(seq_id, table, n, bs, allocate, release):
+    p = transfer_plan(seq_id, list(table), n, bs, allocate, release)
     table.clear()
     return p
 
 
-def a_dict(seq_id, table, n, bs, allocate):
-    p = transfer_plan(seq_id, table, n, bs, allocate)
+def a_dict(seq_id, table, n, bs, allocate, release):
+    p = transfer_plan(seq_id, table, n, bs, allocate, release)
     return dict(zip(p.src_blocks, p.dst_blocks))
+
+
+def bit_shift_blocks(seq_id, table, n, bs, allocate, release):  # exact only for block sizes that are powers of two
+    need = (n + bs - 1) >> (bs.bit_length() - 1)
+    src = table[:need]
+    return TransferPlan(seq_id, n, src, [allocate() for _ in src])
+
+
+def keeps_what_it_took(seq_id, table, n, bs, allocate, release):  # no rollback when the decode side runs out
+    src = table[: -(-n // bs)]
+    return TransferPlan(seq_id, n, src, [allocate() for _ in src])
+
+
+def swallows_the_error(seq_id, table, n, bs, allocate, release):
+    try:
+        return transfer_plan(seq_id, table, n, bs, allocate, release)
+    except OutOfBlocks:
+        return None
+
+
+def checks_after_allocating(seq_id, table, n, bs, allocate, release):  # refuses, but only once blocks are taken
+    src = table[: -(-n // bs)] if n > 0 and bs > 0 else table[:1]
+    dst = []
+    try:
+        for _ in src:
+            dst.append(allocate())
+    except OutOfBlocks:
+        for b in dst:
+            release(b)
+        raise
+    if n < 1 or bs < 1 or -(-n // bs) > len(table):
+        for b in dst:
+            release(b)
+        raise ValueError("a request that makes no sense")
+    return TransferPlan(seq_id, n, list(src), dst)
+
+
+def accepts_nonsense(seq_id, table, n, bs, allocate, release):
+    src = table[: max(0, -(-n // max(bs, 1)))]
+    dst = []
+    try:
+        for _ in src:
+            dst.append(allocate())
+    except OutOfBlocks:
+        for b in dst:
+            release(b)
+        raise
+    return TransferPlan(seq_id, n, src, dst)
 
 
 @pytest.mark.parametrize(
     "fn, needle",
     [
-        (full_blocks_only, "the partial last one included"),
-        (whole_table, "the partial last one included"),
-        (reversed_destinations, "in the same order"),
+        (full_blocks_only, "partly filled"),
+        (whole_table, "blocks the prompt does not fill"),
+        (reversed_destinations, "lined up with them"),
         (pops_the_table, "changed the prefill worker's table"),
         (a_dict, "return a TransferPlan"),
+        (bit_shift_blocks, "blocks of 3"),
+        (keeps_what_it_took, "are still taken"),
+        (swallows_the_error, "expected the OutOfBlocks to come through"),
+        (checks_after_allocating, "only after"),
+        (accepts_nonsense, "expected a ValueError"),
     ],
 )
 def test_wrong_plans_are_rejected(fn, needle):
@@ -95,6 +149,42 @@ def unpack_returns(packed, k, v, blocks):
     return k
 
 
+def pack_unchecked(k, v, blocks):  # Python's -1 quietly reads the last block
+    index = torch.tensor(blocks, dtype=torch.long, device=k[0].device)
+    return torch.stack([torch.stack([c[index] for c in k]), torch.stack([c[index] for c in v])])
+
+
+def pack_checks_the_first(k, v, blocks):
+    if blocks and not 0 <= blocks[0] < k[0].shape[0]:
+        raise ValueError("bad block")
+    return pack_unchecked(k, v, blocks)
+
+
+def unpack_unchecked(packed, k, v, blocks):
+    packed = packed.to(device=k[0].device, dtype=k[0].dtype)
+    for layer, (kc, vc) in enumerate(zip(k, v)):
+        for i, b in enumerate(blocks):
+            kc[b] = packed[0, layer, i]
+            vc[b] = packed[1, layer, i]
+
+
+def unpack_checks_as_it_goes(packed, k, v, blocks):
+    packed = packed.to(device=k[0].device, dtype=k[0].dtype)
+    for i, b in enumerate(blocks):
+        if not 0 <= b < k[0].shape[0]:
+            raise ValueError(f"bad block {b}")
+        for layer, (kc, vc) in enumerate(zip(k, v)):
+            kc[b] = packed[0, layer, i]
+            vc[b] = packed[1, layer, i]
+
+
+def unpack_no_conversion(packed, k, v, blocks):
+    index = torch.tensor(blocks, dtype=torch.long, device=k[0].device)
+    for layer, (kc, vc) in enumerate(zip(k, v)):
+        kc[index] = packed[0, layer]
+        vc[index] = packed[1, layer]
+
+
 @pytest.mark.parametrize(
     "pack, unpack, needle",
     [
@@ -104,6 +194,11 @@ def unpack_returns(packed, k, v, blocks):
         (pack_blocks, unpack_sorted, "goes to the i-th destination"),
         (pack_blocks, unpack_from_zero, "goes to the i-th destination"),
         (pack_blocks, unpack_returns, "returns None"),
+        (pack_unchecked, unpack_blocks, "packing blocks [2, -1] was accepted"),
+        (pack_checks_the_first, unpack_blocks, "packing blocks [2, -1] was accepted"),
+        (pack_blocks, unpack_unchecked, "unpacking into blocks [4, -1] was accepted"),
+        (pack_blocks, unpack_checks_as_it_goes, "a block had been written first"),
+        (pack_blocks, unpack_no_conversion, "an fp16 payload into an fp32 cache"),
     ],
 )
 def test_wrong_packing_is_rejected(pack, unpack, needle):
@@ -136,9 +231,33 @@ def checks_after_changing(manager, seq_id, blocks, n):
     return manager.adopt(seq_id, blocks, n)
 
 
+def checks_only_the_first_block(manager, seq_id, blocks, n):
+    from lesson_utils.memory.block_table import blocks_needed
+
+    if seq_id in manager.tables or n < 1 or len(blocks) != blocks_needed(n, manager.block_size):
+        raise ValueError("no")
+    if len(set(blocks)) != len(blocks) or (blocks and manager.allocator.is_free(blocks[0])):
+        raise ValueError("no")
+    manager.tables[seq_id] = BlockTable(manager.block_size, list(blocks), n)
+    return manager.tables[seq_id]
+
+
+def lesson_03_checks_only(manager, seq_id, blocks, n):  # the old spec: no duplicates, no foreign blocks, no bad counts
+    from lesson_utils.memory.block_table import blocks_needed
+
+    if seq_id in manager.tables or n < 1 or len(blocks) != blocks_needed(n, manager.block_size):
+        raise ValueError("no")
+    if len(set(blocks)) != len(blocks) or any(manager.allocator.is_free(b) for b in blocks):
+        raise ValueError("no")
+    manager.tables[seq_id] = BlockTable(manager.block_size, list(blocks), n)
+    return manager.tables[seq_id]
+
+
 @pytest.mark.parametrize(
     "fn, needle",
     [
+        (checks_only_the_first_block, "a free block (the second of two) was accepted"),
+        (lesson_03_checks_only, "another request holds"),
         (not_registered, "no table in manager.tables"),
         (aliases, "needs its own list"),
         (capacity_not_tokens, "not their capacity"),

@@ -154,7 +154,7 @@ def test_a_wrong_plan_is_refused_with_what_is_wrong():
 
     for fn, message in [
         (two_chunks, "has two chunks"),
-        (skips_ahead, "a chunk runs from 0"),
+        (skips_ahead, "its chunk runs from 0"),
         (out_of_order, "in arrival order"),
     ]:
         m = BlockManager(16, 4)

@@ -1,9 +1,10 @@
-"""Lesson 09 (in progress): a prefill worker and a decode worker, two processes joined by torch.distributed.
+"""Lesson 09: a prefill worker and a decode worker, two processes joined by torch.distributed.
 
 The prefill worker runs each prompt (one forward pass: its K/V and its first token), sends the request's KV
 blocks, and frees them; the decode worker allocates blocks, receives into them, adopts them into a block table
-and decodes the request with its engine, beside the others already decoding. Three messages per request, on
-gloo (CPU tensors; a one-GPU machine stages through host memory):
+and decodes the request with its engine, beside the others already decoding. Each worker runs its half of
+:mod:`lesson_utils.disagg.handover` (``prefill_request`` / ``receive``). Three messages per request, on gloo
+(CPU tensors; a one-GPU machine stages through host memory):
 
 1. a header, int64 ``[req_id, num_tokens, first_token, max_new_tokens, num_blocks]`` (``req_id`` -1: no more);
 2. the prefill worker's block ids and the prompt's token ids, int64 ``[num_blocks + num_tokens]``;
@@ -77,11 +78,10 @@ def _setup(cfg: DisaggConfig, rank: int):
 def prefill_worker(rank: int, cfg: DisaggConfig, requests: list[tuple], results) -> None:
     """Prefill each ``(req_id, prompt_ids, max_new_tokens[, arrival_s])`` once it has arrived (seconds after both
     workers are ready), send its blocks to the decode worker, free them."""
+    from lesson_utils.disagg.handover import prefill_request
     from lesson_utils.disagg.transfer import pack_blocks
-    from lesson_utils.memory.block_table import blocks_needed
-    from lesson_utils.serving import sampling
     from lesson_utils.serving.model_runner import ModelRunner
-    from lesson_utils.types import Request, Sequence
+    from lesson_utils.types import Request
 
     sent = 0
     manager = None
@@ -103,19 +103,16 @@ def prefill_worker(rank: int, cfg: DisaggConfig, requests: list[tuple], results)
             wait = t0 + (arrival[0] if arrival else 0.0) - time.time()
             if wait > 0:
                 time.sleep(wait)
-            seq = Sequence(Request(req_id, 0.0, len(prompt), max_new, prompt_ids=list(prompt)))
-            manager.allocate(seq)
-            first = sampling.next_tokens([seq], runner.logits([seq]))[0]
-            blocks = manager.block_table(req_id)[: blocks_needed(len(prompt), cfg.block_size)]
-            packed = _to_host(pack_blocks(cache.k_cache, cache.v_cache, blocks))
+            done = prefill_request(runner, manager, Request(req_id, 0.0, len(prompt), max_new, prompt_ids=list(prompt)))
+            packed = _to_host(pack_blocks(cache.k_cache, cache.v_cache, done.blocks))
             t_send = time.perf_counter()
-            send(torch.tensor([req_id, len(prompt), first, max_new, len(blocks)], dtype=torch.int64))
-            send(torch.tensor(list(blocks) + list(prompt), dtype=torch.int64))
+            send(torch.tensor([req_id, len(prompt), done.first_token, max_new, len(done.blocks)], dtype=torch.int64))
+            send(torch.tensor(list(done.blocks) + list(prompt), dtype=torch.int64))
             send(packed)
             results.put(("sent", req_id, packed.numel() * packed.element_size(), time.perf_counter() - t_send))
             manager.free_seq(req_id)
         send(torch.tensor([END, 0, 0, 0, 0], dtype=torch.int64))
-        results.put(("prefill done", manager.allocator.num_free == cfg.num_blocks))
+        results.put(("prefill done", manager.num_free_blocks == cfg.num_blocks))
     except Exception as err:  # noqa: BLE001 - reported to the parent, which raises it
         freed = _free_everything(manager)
         results.put(("error", "prefill", f"{type(err).__name__}: {err}", freed))
@@ -151,14 +148,15 @@ def decode_worker(rank: int, cfg: DisaggConfig, results) -> None:
     """Receive prefilled requests and decode them; report each one's tokens, and that every block came back."""
     import threading
 
-    from lesson_utils.disagg.transfer import transfer_plan, unpack_blocks
+    from lesson_utils.disagg.handover import Prefilled, finishes_at_once, receive
     from lesson_utils.serving.engine import Engine
-    from lesson_utils.types import Request, Sequence
+    from lesson_utils.types import Request
 
     manager = None
     try:
         w, manager, cache = _setup(cfg, rank)
         engine = Engine(w, cache, stop_at_eos=cfg.stop_at_eos)
+        eos = w.eos_token_id if cfg.stop_at_eos else None
         k0 = cache.k_cache[0]
         dist.barrier()
         step_times: list[float] = []  # wall time at the end of every decode step
@@ -183,27 +181,21 @@ def decode_worker(rank: int, cfg: DisaggConfig, results) -> None:
                     break
                 req_id, num_tokens, first, max_new, meta, payload, recv_s = item
                 num_blocks = payload.shape[2]
-                src, prompt = meta[:num_blocks].tolist(), meta[num_blocks:].tolist()
-                while manager.allocator.num_free < num_blocks and engine.scheduler.has_work:
-                    _report(results, engine.step(), step_times, adopted_at)  # finished requests free blocks
-                plan = transfer_plan(req_id, src, num_tokens, cfg.block_size, manager.allocator.allocate)
-                unpack_blocks(payload, cache.k_cache, cache.v_cache, plan.dst_blocks)
-                manager.adopt(req_id, plan.dst_blocks, num_tokens)
+                request = Request(req_id, 0.0, num_tokens, max_new, prompt_ids=meta[num_blocks:].tolist())
+                prefilled = Prefilled(request, first, meta[:num_blocks].tolist())
+                if not finishes_at_once(prefilled, eos):
+                    while manager.num_free_blocks < num_blocks and engine.scheduler.has_work:
+                        _report(results, engine.step(), step_times, adopted_at)  # finished requests free blocks
+                seq = receive(engine, prefilled, payload, eos_token_id=eos)
                 results.put(("received", req_id, payload.numel() * payload.element_size(), recv_s))
-                seq = Sequence(
-                    Request(req_id, 0.0, num_tokens, max_new, prompt_ids=prompt),
-                    eos_token_id=w.eos_token_id if cfg.stop_at_eos else None,
-                    kv_len=num_tokens,
-                    admitted_step=len(engine.stats),
-                )
-                seq.append_token(first, len(engine.stats))
                 adopted_at[req_id] = time.time()  # its first token is here: the user can see it
-                engine.scheduler.add_running(seq)
+                if seq.finished_step is not None:  # its first token ended it: it is never decoded
+                    results.put(("done", req_id, list(seq.output_ids), [adopted_at[req_id]]))
                 if cfg.decode_fail_after is not None and len(adopted_at) >= cfg.decode_fail_after:
                     os._exit(18)  # a crash, as far as the other worker can tell
             if engine.scheduler.has_work:
                 _report(results, engine.step(), step_times, adopted_at)
-        results.put(("decode done", manager.allocator.num_free == cfg.num_blocks))
+        results.put(("decode done", manager.num_free_blocks == cfg.num_blocks))
         dist.destroy_process_group()
     except Exception as err:  # noqa: BLE001 - reported to the parent, which raises it
         freed = _free_everything(manager)
@@ -237,7 +229,7 @@ def _free_everything(manager) -> bool:
         return True
     for seq_id in list(manager.tables):
         manager.free_seq(seq_id)
-    return manager.allocator.num_free == manager.num_blocks
+    return manager.num_free_blocks == manager.num_blocks
 
 
 @dataclass
@@ -280,10 +272,43 @@ class _Collected:
             self.errors.append(f"the {msg[1]} worker failed: {msg[2]}{freed}")
 
 
+def check_requests(requests, vocab_size: int, max_positions: int) -> None:
+    """Refuse, before any worker starts, what ``Engine.add_request`` refuses: each request is ``(req_id, prompt_ids,
+    max_new_tokens[, arrival_s])`` with a distinct int id, token ids inside the vocabulary, at least one new token
+    and room for all of them in the model's positions, and an arrival time of 0 or more."""
+    from lesson_utils.serving.engine import check_token_ids
+
+    seen = set()
+    for i, item in enumerate(requests):
+        if not isinstance(item, (tuple, list)) or len(item) not in (3, 4):
+            raise TypeError(f"request {i} is (req_id, prompt_ids, max_new_tokens[, arrival_s]), got {item!r}")
+        req_id, prompt, max_new, *arrival = item
+        if isinstance(req_id, bool) or not isinstance(req_id, int) or req_id < 0:
+            raise ValueError(f"request {i}: req_id must be a non-negative int, got {req_id!r}")
+        if req_id in seen:
+            raise ValueError(f"request {i}: req_id {req_id} is used twice")
+        seen.add(req_id)
+        prompt = check_token_ids(prompt, vocab_size, f"request {req_id}'s prompt")
+        if isinstance(max_new, bool) or not isinstance(max_new, int) or max_new < 1:
+            raise ValueError(f"request {req_id}: max_new_tokens must be an int of at least 1, got {max_new!r}")
+        if len(prompt) + max_new > max_positions:
+            raise ValueError(
+                f"request {req_id}: a prompt of {len(prompt)} tokens plus {max_new} new ones exceeds the model's "
+                f"{max_positions} positions"
+            )
+        if arrival and not (isinstance(arrival[0], (int, float)) and arrival[0] >= 0):
+            raise ValueError(f"request {req_id}: arrival_s must be a number of seconds >= 0, got {arrival[0]!r}")
+
+
 def run_disaggregated(cfg: DisaggConfig, requests: list[tuple[int, list[int], int]]) -> DisaggResult:
     """Start both workers (spawned processes), collect their results; raise :class:`DisaggError` if either dies
-    or stalls (within about ``2 x cfg.timeout_s``), after stopping the other."""
+    or stalls (within about ``2 x cfg.timeout_s``), after stopping the other. Bad requests are refused first
+    (:func:`check_requests`), with the model's vocabulary and positions read from ``cfg.model_dir``."""
     import torch.multiprocessing as mp
+    from transformers import AutoConfig
+
+    model_cfg = AutoConfig.from_pretrained(cfg.model_dir)
+    check_requests(requests, model_cfg.vocab_size, model_cfg.max_position_embeddings)
 
     if not cfg.init_method:
         cfg.init_method = f"tcp://127.0.0.1:{free_loopback_port()}"

@@ -152,22 +152,56 @@ class BlockManager:
     def _release_order(self, blocks: list[int]):
         return blocks  # nothing is cached here: any order will do
 
+    def allocate_block(self) -> int:
+        """Lesson 09: one free block for a transfer's destination (not yet in any table: :meth:`adopt` puts it in
+        one, :meth:`free_block` gives it back). Raises ``OutOfBlocks`` when none is free."""
+        return self.allocator.allocate()
+
+    def free_block(self, block_id: int) -> None:
+        """Give back a block from :meth:`allocate_block` that no table holds (a refused transfer's destinations)."""
+        holder = self._holder_of(block_id)
+        if holder is not None:
+            raise ValueError(f"block {block_id} belongs to sequence {holder}: free the sequence, not its block")
+        self.allocator.free(block_id)
+
+    def _holder_of(self, block_id: int) -> int | None:
+        return next((sid for sid, t in self.tables.items() if block_id in t.blocks), None)
+
     def adopt(self, seq_id: int, blocks: list[int], num_tokens: int) -> BlockTable:
-        """Lesson 09: give ``seq_id`` a table of ``blocks`` (already allocated here, one reference each) holding
-        ``num_tokens`` tokens whose K/V were computed elsewhere and copied in. Reference for exercise 09-3."""
+        """Lesson 09: give ``seq_id`` a table of ``blocks`` (allocated here by :meth:`allocate_block`, held by no
+        table yet) holding ``num_tokens`` tokens whose K/V were computed elsewhere and copied in. Refuses, with
+        nothing changed: a sequence that holds blocks already, a token count that is not a positive int, a block
+        count that does not match it, a block id twice, a free block, and a block another sequence holds.
+        Reference for exercise 09-3."""
         if seq_id in self.tables:
             raise ValueError(f"sequence {seq_id} already holds blocks")
+        if isinstance(num_tokens, bool) or not isinstance(num_tokens, int):
+            raise TypeError(f"num_tokens is an int, got {type(num_tokens).__name__} {num_tokens!r}")
+        if num_tokens < 1:
+            raise ValueError(f"a sequence holds at least one token, got num_tokens={num_tokens}")
+        blocks = list(blocks)
         if len(blocks) != blocks_needed(num_tokens, self.block_size):
             raise ValueError(
-                f"{num_tokens} tokens take {blocks_needed(num_tokens, self.block_size)} blocks, got {len(blocks)}"
+                f"{num_tokens} tokens take {blocks_needed(num_tokens, self.block_size)} blocks of {self.block_size} "
+                f"(block count), got {len(blocks)}"
             )
-        if any(self.allocator.is_free(b) for b in blocks):
-            raise ValueError("adopted blocks must be allocated first (the transfer plan's destinations)")
-        table = self.tables[seq_id] = BlockTable(self.block_size, list(blocks), num_tokens)
+        if len(set(blocks)) != len(blocks):
+            raise ValueError(f"block ids must be distinct: {blocks} names one block twice")
+        for b in blocks:
+            if self.allocator.is_free(b):  # also refuses an id that is no block of this cache
+                raise ValueError(f"block {b} is free: adopted blocks must be allocated first (allocate_block)")
+            holder = self._holder_of(b)
+            if holder is not None:
+                raise ValueError(f"block {b} is held by sequence {holder}: a received request needs blocks of its own")
+        table = self.tables[seq_id] = BlockTable(self.block_size, blocks, num_tokens)
         return table
 
     def block_table(self, seq_id: int) -> list[int]:
-        return self.tables[seq_id].blocks
+        """The physical blocks of ``seq_id``, in order; ``ValueError`` for a sequence that holds none."""
+        table = self.tables.get(seq_id)
+        if table is None:
+            raise ValueError(f"sequence {seq_id} holds no blocks here (never admitted, or freed already)")
+        return table.blocks
 
     # ---- accounting -----------------------------------------------------------------------------
     def breakdown(self) -> dict[str, int]:

@@ -18,7 +18,7 @@ from typing import Callable
 import torch
 
 from lesson_utils.serving import sampling
-from lesson_utils.serving.token_budget import TokenState, budgeted_schedule
+from lesson_utils.serving.token_budget import Chunk, TokenState, budgeted_schedule
 from lesson_utils.types import MemoryManager, OutOfBlocks, Sequence
 
 
@@ -158,7 +158,16 @@ class FCFSScheduler:
 
     def add_running(self, seq: Sequence) -> None:
         """Lesson 09: a sequence prefilled elsewhere, its blocks already adopted by this scheduler's manager, joins
-        the running batch (it decodes from the next step)."""
+        the running batch (it decodes from the next step). A finished sequence is refused: it is never decoded
+        (its first token already ended it: hand it back as finished)."""
+        if seq.is_finished:
+            raise ValueError(
+                f"sequence {seq.seq_id} has already finished ({seq.num_generated} of {seq.request.output_len} tokens"
+                + (", ending in its eos" if seq.output_ids and seq.output_ids[-1] == seq.eos_token_id else "")
+                + "): a finished sequence is never decoded"
+            )
+        if any(s is seq or s.seq_id == seq.seq_id for s in self.running):
+            raise ValueError(f"sequence {seq.seq_id} is running already")
         self.manager.check_admissible(seq)
         self.running.append(seq)
 
@@ -202,6 +211,8 @@ class FCFSScheduler:
         self._swap_in, self._swap_out = [], []
         admitted: list[Sequence] = []
 
+        saved: dict[int, tuple[int, int | None]] = {}  # seq_id -> (kv_len, admitted_step) before admit()
+
         def admit(seq_id: int) -> int | None:
             if not self.waiting or self.waiting[0].seq_id != seq_id:
                 head = self.waiting[0].seq_id if self.waiting else None
@@ -211,6 +222,7 @@ class FCFSScheduler:
             seq = self.waiting[0]
             if not self._room_for_another() or not self.manager.can_allocate(seq):
                 return None
+            saved[seq.seq_id] = (seq.kv_len, seq.admitted_step)
             self.manager.allocate(seq)  # prefix-cache hits set seq.kv_len
             self.waiting.popleft()
             seq.admitted_step = step
@@ -220,12 +232,16 @@ class FCFSScheduler:
 
         state = [TokenState(s.seq_id, s.kv_len, s.len) for s in self.running]
         queue = [TokenState(s.seq_id, s.kv_len, s.len) for s in self.waiting]
-        chunks = self.plan_fn(state, queue, self.max_num_batched_tokens, admit)
+        try:
+            chunks = self.plan_fn(state, queue, self.max_num_batched_tokens, admit)
+            seqs = self._check_chunks(chunks)
+        except BaseException:  # a refused (or crashing) plan leaves the scheduler as it found it
+            self._undo_admissions(admitted, saved)
+            raise
         if not self.running and self.waiting:
             raise RuntimeError(
                 "nothing is running and the head request still does not fit: the cache is too small for it even when empty"
             )
-        seqs = self._check_chunks(chunks)
         preempted, i = [], 0
         sampling = [s for s, c in zip(seqs, chunks) if c.end == s.len]  # they need a slot for the token they sample
         while i < len(sampling):
@@ -233,7 +249,7 @@ class FCFSScheduler:
                 self.manager.append_slot(sampling[i])
                 i += 1
             except OutOfBlocks:
-                victim = self.choose_victim(self.running)
+                victim = self._victim()
                 self.running = [s for s in self.running if s is not victim]
                 if any(s is victim for s in sampling[:i]):
                     i -= 1
@@ -251,24 +267,77 @@ class FCFSScheduler:
             num_tokens=[c.end - c.start for _, c in kept],
         )
 
+    def _undo_admissions(self, admitted: list[Sequence], saved: dict[int, tuple[int, int | None]]) -> None:
+        """Give back what this step's admissions took: blocks freed, each sequence back at the head of the queue
+        in its old order, with the computed count and admission step it had."""
+        for seq in reversed(admitted):
+            self.manager.free(seq)
+            seq.kv_len, seq.admitted_step = saved[seq.seq_id]
+            self.running = [s for s in self.running if s is not seq]
+            self.waiting.appendleft(seq)
+        admitted.clear()
+
     def _check_chunks(self, chunks) -> list[Sequence]:
-        """The running sequence of every chunk, or a clear error for a plan the engine cannot run."""
+        """The running sequence of every chunk, or a clear error (naming the plan function) for a plan the engine
+        cannot run: the wrong type, a chunk for a sequence that is not running, a range that is not the next one."""
+        name = getattr(self.plan_fn, "__name__", type(self.plan_fn).__name__)
+        if not isinstance(chunks, (list, tuple)):
+            raise TypeError(
+                f"the plan function {name} must return a list of Chunk(seq_id, start, end), got {type(chunks).__name__}"
+            )
         by_id = {s.seq_id: s for s in self.running}
-        seqs, total = [], 0
-        for c in chunks:
-            seq = by_id.pop(c.seq_id, None)
+        waiting = {s.seq_id for s in self.waiting}
+        seqs, total, seen = [], 0, set()
+        for i, c in enumerate(chunks):
+            if not isinstance(c, Chunk):
+                raise TypeError(
+                    f"the plan function {name} returned {type(c).__name__} {c!r} as item {i}: each item is a "
+                    "Chunk(seq_id, start, end) (lesson_utils.serving.token_budget.Chunk)"
+                )
+            if any(isinstance(v, bool) or not isinstance(v, int) for v in (c.seq_id, c.start, c.end)):
+                raise TypeError(f"chunk {c} from {name}: seq_id, start and end are ints")
+            if c.seq_id in seen:
+                raise ValueError(f"chunk {c} from {name}: sequence {c.seq_id} has two chunks in one step")
+            seen.add(c.seq_id)
+            seq = by_id.get(c.seq_id)
             if seq is None:
-                raise ValueError(f"chunk {c}: sequence {c.seq_id} is not running (admit it first), or has two chunks")
+                if c.seq_id in waiting:
+                    raise ValueError(
+                        f"chunk {c} from {name}: sequence {c.seq_id} is waiting, not running - it gets a chunk only "
+                        f"after admit({c.seq_id}) returned a number"
+                    )
+                raise ValueError(f"chunk {c} from {name}: no sequence {c.seq_id} is running or waiting here")
             if not (c.start == seq.kv_len and c.start < c.end <= seq.len):
                 raise ValueError(
-                    f"chunk {c}: sequence {c.seq_id} has {seq.kv_len} of {seq.len} tokens computed, so a chunk "
-                    f"runs from {seq.kv_len} to at most {seq.len}"
+                    f"chunk {c} from {name}: sequence {c.seq_id} has {seq.kv_len} of {seq.len} tokens computed, so "
+                    f"its chunk runs from {seq.kv_len} to at most {seq.len}"
                 )
             seqs.append(seq)
             total += c.end - c.start
         if total > self.max_num_batched_tokens:
-            raise ValueError(f"the chunks hold {total} tokens, over the budget of {self.max_num_batched_tokens}")
+            raise ValueError(
+                f"the chunks from {name} hold {total} tokens, over the budget of {self.max_num_batched_tokens}"
+            )
         return seqs
+
+    def _victim(self) -> Sequence:
+        """The policy's victim among the running sequences, checked. With chunked prefill a sequence may need
+        several steps before it samples anything, so a policy that kept preempting the same one would stop all
+        progress (an oldest-first policy does): there the policy is never offered the earliest-arrived running
+        sequence while another is running, so that one always goes on and finishes. Without chunking every
+        admission computes a token, and the policy chooses among all of them."""
+        candidates = list(self.running)
+        if self.chunked_prefill and len(candidates) > 1:
+            first = min(candidates, key=lambda s: (s.request.arrival_s, s.seq_id))
+            candidates = [s for s in candidates if s is not first]
+        victim = self.choose_victim(candidates)
+        if not any(s is victim for s in candidates):
+            name = getattr(self.choose_victim, "__name__", type(self.choose_victim).__name__)
+            raise ValueError(
+                f"the victim policy {name} returned {victim!r}, which is not one of the {len(candidates)} running "
+                "sequences it was given: it must return one of them"
+            )
+        return victim
 
     def admit(self, step: int) -> list[Sequence]:
         """Swap in, then admit what fits; returns the newly admitted (prefilling) sequences."""
@@ -317,7 +386,7 @@ class FCFSScheduler:
                 self.manager.append_slot(self.running[i])
                 i += 1
             except OutOfBlocks as err:
-                victim = self.choose_victim(self.running)
+                victim = self._victim()
                 if victim.beam is not None:  # a beam cannot wait while its group goes on: the search fails
                     raise OutOfBlocks(
                         f"beam search ran out of blocks for its {len(victim.beam.beams)} beams: {err}"
