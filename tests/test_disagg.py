@@ -96,6 +96,18 @@ def test_two_workers_on_the_loopback_serve_hfs_tokens(tiny, saved_model):
 
 
 @pytest.mark.slow
+def test_a_request_of_one_new_token_is_not_decoded_after_the_hand_over(tiny, saved_model):
+    """Its first token (the prefill's) ends it: the decode side reports it finished and decodes nothing more."""
+    model, w = tiny
+    requests = [(0, [2, 9, 40, 77, 5], 1), (1, [2, 11, 12, 13, 14, 15, 16], 4), (2, [2, 30], 1)]
+    result = run_disaggregated(DisaggConfig(model_dir=saved_model, num_blocks=16, block_size=4, timeout_s=20), requests)
+    for req_id, prompt, n in requests:
+        assert result.outputs[req_id] == hf_greedy(model, prompt, n, w.eos_token_id), f"request {req_id}"
+        assert len(result.token_times[req_id]) == len(result.outputs[req_id])
+    assert len(result.outputs[0]) == 1 and len(result.outputs[2]) == 1 and result.all_blocks_free
+
+
+@pytest.mark.slow
 def test_a_worker_dying_mid_transfer_fails_clearly_within_a_bounded_time(saved_model):
     start = time.monotonic()
     with pytest.raises(DisaggError) as err:

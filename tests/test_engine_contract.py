@@ -167,3 +167,63 @@ def test_decode_refuses_a_used_table_entry_outside_the_cache():
     ):
         with pytest.raises(ValueError, match=where + r".*blocks 0 \.\. 5"):
             K.paged_attention_decode(q, kc, kc, torch.tensor(table, dtype=torch.int32), lens)
+
+
+# ---- lessons 08 and 09 -------------------------------------------------------------------------------------------
+@pytest.fixture
+def chunked(tiny):
+    _, w = tiny
+    return Engine(
+        w, PagedKVCache.for_model(w, num_blocks=40, block_size=4), max_num_batched_tokens=8, chunked_prefill=True
+    )
+
+
+@pytest.mark.parametrize("prompt, error", [([2, 320], ValueError), ([2, 7.5], TypeError), ([], ValueError)])
+def test_the_chunked_engine_refuses_bad_prompts_and_goes_on(tiny, chunked, prompt, error):
+    model, w = tiny
+    with pytest.raises(error):
+        chunked.add_request(prompt, 4)
+    assert not chunked.scheduler.has_work
+    assert chunked.generate([GOOD + [5] * 10], 5) == [hf_greedy(model, GOOD + [5] * 10, 5, w.eos_token_id)]
+    assert _all_free(chunked)
+
+
+def test_a_refused_plan_leaves_the_chunked_engine_serving(tiny, chunked):
+    """A learner's plan function that fails part-way: the step raises, and the same engine, given the course's
+    policy back, serves the same requests to HF's tokens with every block free at the end."""
+    from lesson_utils.serving.token_budget import budgeted_schedule
+
+    model, w = tiny
+    prompts = [GOOD + [7] * 9, GOOD + [8] * 3]
+    seqs = [chunked.add_request(p, 4) for p in prompts]
+
+    def admits_then_fails(running, waiting, budget, admit):
+        for s in waiting:
+            admit(s.seq_id)
+        return None
+
+    chunked.scheduler.plan_fn = admits_then_fails
+    with pytest.raises(TypeError, match="admits_then_fails must return a list of Chunk"):
+        chunked.step()
+    assert _all_free(chunked) and len(chunked.scheduler.waiting) == 2
+    chunked.scheduler.plan_fn = budgeted_schedule
+    chunked.run()
+    assert [s.output_ids for s in seqs] == [hf_greedy(model, p, 4, w.eos_token_id) for p in prompts]
+    assert _all_free(chunked)
+
+
+def test_a_hand_over_into_a_full_decode_side_is_refused_and_leaks_nothing(tiny):
+    from lesson_utils.disagg.handover import hand_over
+    from lesson_utils.serving.model_runner import ModelRunner
+    from lesson_utils.types import OutOfBlocks, Request
+
+    model, w = tiny
+    prefill = PagedKVCache.for_model(w, num_blocks=16, block_size=4)
+    decode = Engine(w, PagedKVCache.for_model(w, num_blocks=3, block_size=4))
+    prompt = GOOD * 4  # 16 tokens: 4 blocks, the decode side has 3
+    with pytest.raises(OutOfBlocks):
+        hand_over(ModelRunner(w, prefill), prefill.manager, decode, Request(0, 0.0, 16, 4, prompt_ids=prompt))
+    assert _all_free(decode) and prefill.manager.num_free_blocks == 16 and not prefill.manager.tables
+    seq = hand_over(ModelRunner(w, prefill), prefill.manager, decode, Request(1, 0.0, 4, 3, prompt_ids=GOOD))
+    decode.run()
+    assert seq.output_ids == hf_greedy(model, GOOD, 3, w.eos_token_id) and _all_free(decode)

@@ -19,7 +19,7 @@ def _allocation_cases() -> list[tuple]:
         (10, []),
         (10, [(0, 10, 10, 10)]),  # full and finished: all token states
         (12, [(2, 8, 3, 5)]),  # 3 used, 2 still to come, 3 never used
-        (20, [(0, 4, 1, 4), (10, 8, 8, 8)]),
+        (20, [(10, 8, 8, 8), (0, 4, 1, 4)]),  # not in address order: nothing says they are
     ]
     for _ in range(8):
         total, pos, allocs = 300, 0, []
@@ -31,6 +31,7 @@ def _allocation_cases() -> list[tuple]:
             final = rng.randint(1, reserved)
             allocs.append((pos, reserved, rng.randint(1, final), final))
             pos += reserved
+        rng.shuffle(allocs)  # a function that sorts its input in place must show it
         cases.append((total, allocs))
     return cases
 
@@ -85,9 +86,11 @@ def check_classify_slots(fn) -> CheckResult:
 
 def _hole_cases() -> list[tuple]:
     rng = random.Random(1)
-    cases = [([],), ([(0, 100)],), ([(0, 50), (60, 50)],), ([(0, 1), (5, 1), (9, 1), (20, 97)],)]
+    cases = [([],), ([(0, 100)],), ([(60, 50), (0, 50)],), ([(20, 97), (0, 1), (9, 1), (5, 1)],)]
     for _ in range(8):
-        cases.append(([(i * 100, rng.randint(1, 60)) for i in range(rng.randint(1, 8))],))
+        holes = [(i * 100, rng.randint(1, 60)) for i in range(rng.randint(1, 8))]
+        rng.shuffle(holes)  # unsorted: sorting the caller's list in place must show
+        cases.append((holes,))
     return cases
 
 

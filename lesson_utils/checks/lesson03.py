@@ -54,10 +54,11 @@ def check_block_allocator(cls) -> CheckResult:
     try:
         a = cls(4)
         got = [_call(a.allocate)[0] for _ in range(4)]
-        if sorted(x for x in got if x is not None) != [0, 1, 2, 3] or None in got:
+        if got != [0, 1, 2, 3]:
             return failed(
                 name,
-                f"allocating all 4 blocks of a fresh allocator gave {got}; expected each of 0, 1, 2, 3 once",
+                f"allocating all 4 blocks of a fresh allocator gave {got}; expected 0, 1, 2, 3 - each once, taken from "
+                "the left of the free queue",
                 BlockAllocator,
             )
         bad = _refused(
@@ -87,6 +88,20 @@ def check_block_allocator(cls) -> CheckResult:
         if a.num_free != 0:
             return failed(
                 name, f"with every block held, num_free is {a.num_free}: keep self._free_queue in step", BlockAllocator
+            )
+        fifo = cls(4)
+        for _ in range(4):
+            fifo.allocate()
+        for block_id in (2, 0, 3):
+            fifo.free(block_id)
+        order = [fifo.allocate() for _ in range(3)]
+        if order != [2, 0, 3]:
+            return failed(
+                name,
+                f"after freeing blocks 2, 0 and 3 (in that order), allocate() gave {order}; expected [2, 0, 3] - which end "
+                "of the queue does free() give back to? (First in, first out: the block free the longest is reused "
+                "first, which a prefix cache will count on.)",
+                BlockAllocator,
             )
         b = cls(4)
         first = b.allocate()
@@ -184,7 +199,7 @@ def check_grow_block_table(fn) -> CheckResult:
 def _slot_cases():
     rng = random.Random(3)
     cases = []
-    for block_size in (1, 4, 16):
+    for block_size in (1, 3, 4, 6, 16, 12):  # not only powers of two: bit tricks are exact only for those
         k = rng.randint(1, 4)
         news = [[7] * rng.choice([1, 1, rng.randint(1, 20)]) for _ in range(k)]
         before = [rng.randint(0, 40) for _ in range(k)]
@@ -228,7 +243,17 @@ def check_slot_mapping(fn) -> CheckResult:
 def _gather_cases():
     gen = torch.Generator().manual_seed(4)
     cases = []
-    for block_size, ctx, spare in [(4, 1, 0), (4, 8, 0), (4, 7, 0), (16, 40, 0), (1, 5, 0), (4, 8, 1), (16, 17, 1)]:
+    for block_size, ctx, spare in [
+        (4, 1, 0),
+        (4, 8, 0),
+        (4, 7, 0),
+        (16, 40, 0),
+        (1, 5, 0),
+        (4, 8, 1),
+        (16, 17, 1),
+        (3, 10, 1),
+        (6, 13, 1),
+    ]:
         cache = torch.randn(12, block_size, 2, 3, generator=gen).to(case_device())
         # spare: the table already holds the block reserved for the next token (the engine does that)
         table = torch.randperm(12, generator=gen)[: bt.blocks_needed(ctx, block_size) + spare].tolist()

@@ -51,6 +51,8 @@ def _probe_block_slots(fn) -> str:
         (4, 32, 0, 13),
         (16, 16, 16, 17),
         (8, 8, 0, 1),
+        (6, 16, 0, 20),  # block sizes that are not powers of two: a bit mask or a shift is exact only for those
+        (12, 32, 32, 61),
     ]:
         g = torch.Generator().manual_seed(block_size * 100 + context_len)
         needed = -(-context_len // block_size)

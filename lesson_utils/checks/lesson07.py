@@ -49,21 +49,26 @@ class _Run:
     hits: int  # prompt tokens served from the prefix cache
     registered: set  # hashes of the blocks registered in the prefix cache
     logits: list[tuple[list[int], torch.Tensor]]
+    copies: int  # copy-on-write copies the run made
 
 
-def _run(w, step_fn, prompts, max_new, num_blocks) -> _Run:
+def _run(w, step_fn, prompts, max_new, num_blocks, forks: bool = False) -> _Run:
     manager = SharingBlockManager(num_blocks, 4, max_seq_len=w.max_positions)
     cache = PagedKVCache.for_model(w, manager=manager)
     engine = Engine(w, cache, step_fn=step_fn)
     engine.runner = runner = _LogitsRunner(w, cache)
     seqs = [engine.add_request(p, max_new) for p in prompts]  # the later prompts share the first's prefix
+    if forks:  # two samples of one prompt share its last, partly filled block: their first writes need
+        # copy-on-write copies, which the plan carries - a step that drops part of the plan shows here
+        seqs.append(engine.add_request(prompts[0][:7], max_new, n=2))
     finished = []
     while engine.scheduler.has_work:
         finished.append(sorted(s.seq_id for s in engine.step()))
         if len(finished) > MAX_STEPS:
             raise TimeoutError(f"still running after {MAX_STEPS} steps")
+    outputs = [list(x.output_ids) for s in seqs for x in (s.samples or [s])]
     return _Run(
-        [s.output_ids for s in seqs], finished, manager.cached_prompt_tokens, set(manager.pool.block_of), runner.logged
+        outputs, finished, manager.cached_prompt_tokens, set(manager.pool.block_of), runner.logged, manager.num_cow
     )
 
 
@@ -123,10 +128,23 @@ def check_engine_step(fn, w) -> CheckResult:
                 "running the model once, over the right sequences?",
                 serve_step,
             )
+    ref_forks = _run(w, serve_step, prompts, 6, 16, forks=True)
+    try:
+        got_forks = _run(w, fn, prompts, 6, 16, forks=True)
+    except Exception as err:  # noqa: BLE001
+        return failed(name, f"with two samples of one prompt, your step raised {type(err).__name__}: {err}", serve_step)
+    if got_forks.outputs != ref_forks.outputs:
+        return failed(
+            name,
+            "right on single requests, but two samples of one prompt (sharing its last block) generate "
+            f"{got_forks.outputs[-2:]} instead of {ref_forks.outputs[-2:]}: does every part of the plan reach the "
+            "runner - the block copies too?",
+            serve_step,
+        )
     return passed(
         name,
         f"same outputs, logits, finished sequences per step, {len(got.finished_per_step)} steps and "
-        "prefix-cache hits as the course's engine.",
+        f"prefix-cache hits as the course's engine, and {ref_forks.copies} copy-on-write copy for two samples of one prompt.",
         fn,
     )
 

@@ -41,12 +41,15 @@ class _Admissions:
 
 
 def _random_case(rng: random.Random):
+    """Ids in no particular order (running order is admission order, not id order): a schedule that sorts, or
+    sorts its input in place, must show."""
     running = []
-    for i in range(rng.randint(0, 5)):
+    ids = rng.sample(range(10), 5)
+    for i in ids[: rng.randint(0, 5)]:
         length = rng.randint(2, 60)
         computed = length - 1 if rng.random() < 0.6 else rng.randint(0, length - 2)  # a decode, or mid-prefill
         running.append(TokenState(i, computed, length))
-    waiting = [TokenState(10 + i, 0, rng.randint(1, 70)) for i in range(rng.randint(0, 4))]
+    waiting = [TokenState(30 - i, 0, rng.randint(1, 70)) for i in range(rng.randint(0, 4))]
     answers = {}
     for s in waiting:
         r = rng.random()
@@ -56,6 +59,7 @@ def _random_case(rng: random.Random):
 
 _NAMED = [
     ("decodes first", [TokenState(0, 20, 30), TokenState(1, 9, 10)], [], 5, {}),
+    ("decodes in running order", [TokenState(7, 4, 5), TokenState(2, 8, 9), TokenState(5, 2, 3)], [], 2, {}),
     ("the budget runs out inside a chunk", [TokenState(0, 0, 40)], [], 16, {}),
     ("more decodes than budget", [TokenState(i, 4, 5) for i in range(4)], [TokenState(9, 0, 3)], 2, {}),
     ("a new prompt after a prefix-cache hit", [], [TokenState(5, 0, 40)], 64, {5: 32}),
@@ -165,16 +169,25 @@ def check_budgeted_schedule(fn) -> CheckResult:
 # ---- exercise 08-2: attention for a chunk ---------------------------------------------------------------------
 
 
-def _chunk_case(seed: int, n: int, ctx: int, *, block_size=4, heads=2, kv_heads=1, d=8, dtype=torch.float32):
+def _chunk_case(
+    seed: int, n: int, ctx: int, *, block_size=4, heads=2, kv_heads=1, d=8, dtype=torch.float32, scale=None, spare=1
+):
+    """A chunk of ``n`` queries at the end of a ``ctx``-token context. The table holds ``spare`` blocks past the
+    context (the engine keeps the next token's block there), filled with large values: reading them shows."""
     g = torch.Generator().manual_seed(seed)
     blocks = -(-ctx // block_size)
-    num_blocks = blocks + 3
-    table = torch.randperm(num_blocks, generator=g)[:blocks].tolist()
+    num_blocks = blocks + spare + 3
+    order = torch.randperm(num_blocks, generator=g).tolist()
+    table = order[: blocks + spare]
     dev = case_device()
-    kc = torch.randn(num_blocks, block_size, kv_heads, d, generator=g).to(dtype).to(dev)
-    vc = torch.randn(num_blocks, block_size, kv_heads, d, generator=g).to(dtype).to(dev)
+    kc = torch.randn(num_blocks, block_size, kv_heads, d, generator=g)
+    vc = torch.randn(num_blocks, block_size, kv_heads, d, generator=g)
+    for b in table[blocks:]:
+        kc[b], vc[b] = 50.0, 50.0  # poison: a chunk that attends past its context gets these
+    tail = ctx - (blocks - 1) * block_size  # the last block's slots past the context are poisoned too
+    kc[table[blocks - 1], tail:], vc[table[blocks - 1], tail:] = 50.0, 50.0
     q = torch.randn(n, heads, d, generator=g).to(dtype).to(dev)
-    return (q, kc, vc, table, ctx, 1 / math.sqrt(d))
+    return (q, kc.to(dtype).to(dev), vc.to(dtype).to(dev), table, ctx, 1 / math.sqrt(d) if scale is None else scale)
 
 
 def _close(expected, got) -> bool:
@@ -216,6 +229,8 @@ def check_chunk_attention(fn) -> CheckResult:
         _chunk_case(4, 6, 14, kv_heads=2, heads=4),  # grouped heads
         _chunk_case(5, 8, 16, block_size=8, heads=3, kv_heads=1),
         _chunk_case(6, 4, 10, dtype=torch.float16),
+        _chunk_case(7, 4, 13, scale=0.7),  # a scale that is not 1/sqrt(head_dim): use the one given
+        _chunk_case(8, 5, 17, block_size=3, scale=0.05, spare=2),  # blocks of 3
     ]
     return check_function(
         "chunk_attention",
