@@ -13,6 +13,7 @@ scheduler reaches a memory manager only through :class:`MemoryManager`.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Protocol
 
 
@@ -35,6 +36,17 @@ KIND_NAMES = ("token states", "reserved", "internal fragmentation", "external fr
 
 
 # ---- requests and sequences ---------------------------------------------------------------------------
+class SequenceStatus(Enum):
+    """Where a sequence is in its life (the scheduler sets it on every move; vLLM's ``RequestStatus``)."""
+
+    WAITING = "waiting"  # queued, holding no memory (new, or preempted by recompute)
+    RUNNING = "running"  # holds memory and is scheduled every step
+    SWAPPED = "swapped"  # preempted by swap: its blocks wait in CPU memory
+    FINISHED = "finished"  # generated all its tokens (or its end of sequence); its memory is free
+    ABORTED = "aborted"  # cancelled before it finished; its memory is free
+    DROPPED = "dropped"  # a beam its group did not keep; its memory is free
+
+
 @dataclass
 class Request:
     """One request: when it arrives, how long its prompt is, how many tokens it will generate.
@@ -60,9 +72,10 @@ class Request:
 class Sequence:
     """A request being served. ``len`` = prompt tokens + tokens generated so far.
 
-    ``kv_len`` counts the tokens whose K/V are in the cache (the real engine's runner feeds
-    ``token_ids[kv_len:]`` next step); a preempted sequence drops back to 0 and is prefilled again.
+    ``kv_len`` counts the tokens whose K/V are in the cache - vLLM calls it ``num_computed_tokens`` (the runner
+    feeds ``token_ids[kv_len:]`` next); a preempted sequence drops back to 0 and is prefilled again.
     ``eos_token_id`` ends the sequence early when generated (real runs only; simulations know lengths).
+    ``status`` says where it is (:class:`SequenceStatus`); only the scheduler changes it.
     """
 
     request: Request
@@ -77,18 +90,22 @@ class Sequence:
     temperature: float = 0.0  # 0 = greedy
     generator: object = None  # a torch.Generator for sampling
     pending_forks: int = 0  # parallel sampling: siblings still to fork after the prefill
-    last_logits: object = None
     samples: list = field(default_factory=list)
     added_at: float = 0.0
     first_token_s: float | None = None  # time to first token, seconds (real runs)
     finished_s: float | None = None  # time from arrival to the last token, seconds (real runs)
-    aborted: bool = False  # cancelled before it finished (its memory is given back at once)
     beam: object = None  # the serving.beam_search.BeamGroup this sequence is a beam of, if any
     token_steps: list[int] = field(default_factory=list)  # the step that produced each generated token
+    status: SequenceStatus = SequenceStatus.WAITING
+
+    @property
+    def aborted(self) -> bool:
+        """Cancelled before it finished (its memory was given back at once)."""
+        return self.status is SequenceStatus.ABORTED
 
     def append_token(self, token: int | None, step: int) -> None:
-        """The one place a sequence grows: ``token`` generated at ``step`` (None in a simulation, which knows
-        lengths, not ids). Its K/V are computed next step, when it is fed."""
+        """The one place a sequence grows (the scheduler's ``update_from_output`` calls it): ``token`` generated
+        at ``step`` (None in a simulation, which knows lengths, not ids). Its K/V are computed next step."""
         if token is not None:
             self.output_ids.append(token)
         self.num_generated += 1
@@ -159,6 +176,9 @@ class MemoryManager(Protocol):
 
     def free(self, seq: Sequence) -> None:
         """``seq`` finished: take all of its memory back."""
+
+    def block_is_free(self, block_id: int) -> bool:
+        """(Block managers) Whether ``block_id`` is free now (a swap's moves forget blocks that were freed)."""
 
     def pop_copies(self) -> list[tuple[int, int]]:
         """Block copies ``(src, dst)`` this step's reservations need before its writes (copy-on-write of

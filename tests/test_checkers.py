@@ -217,9 +217,8 @@ def test_classify_matches_manager_breakdown():
     s = FCFSScheduler(m)
     for r in workloads.alpaca_like(20, seed=3):
         s.add(Sequence(r))
-    s.admit(0)
+    s.schedule(0)  # admits what fits, and reserves every admitted sequence's next token
     for seq in s.running:
-        m.append_slot(seq)
         seq.num_generated += 1
     kinds = m.slot_kinds()
     counts = np.bincount(kinds, minlength=4)

@@ -94,12 +94,10 @@ def test_lesson04_a_lookup_exact_only_for_powers_of_two_is_caught():
 
 
 # ---- lesson 07: a step that drops the plan's copy-on-write copies ----------------------------------------------
-def drops_the_copies(scheduler, runner, manager, step):
+def drops_the_copies(scheduler, runner, step):
     plan = scheduler.schedule(step)
-    runner.execute(replace(plan, copies=[]))  # a plan rebuilt without its copies
-    for seq in plan.scheduled:
-        manager.cache_computed(seq)
-    return plan, scheduler.retire_finished(step)
+    output = runner.execute(replace(plan, copies=[]))  # a plan rebuilt without its copies
+    return plan, scheduler.update_from_output(plan, output)
 
 
 def test_lesson07_a_step_that_skips_the_copies_is_caught(tiny):

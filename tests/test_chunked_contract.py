@@ -15,7 +15,7 @@ from lesson_utils.memory.sharing import SharingBlockManager
 from lesson_utils.serving import simulator
 from lesson_utils.serving.scheduler import FCFSScheduler, most_recently_admitted
 from lesson_utils.serving.step import serve_step
-from lesson_utils.serving.token_budget import Chunk, budgeted_schedule
+from lesson_utils.serving.token_budget import Chunk, ChunkedPrefill, budgeted_schedule
 from lesson_utils.types import Request, Sequence
 
 
@@ -61,7 +61,7 @@ POLICIES = [
 def _serve(reqs, num_blocks, block_size, budget, policy, sharing=False, max_steps=20_000):
     cls = SharingBlockManager if sharing else BlockManager
     manager = cls(num_blocks, block_size, watermark=0.0)
-    sch = FCFSScheduler(manager, max_num_batched_tokens=budget, chunked_prefill=True, choose_victim=policy)
+    sch = FCFSScheduler(manager, chunked=ChunkedPrefill(budget), choose_victim=policy)
     res = simulator.simulate(reqs, manager, scheduler=sch, progress=False, max_steps=max_steps)
     return res, manager
 
@@ -106,7 +106,7 @@ def test_every_victim_policy_makes_progress_under_chunking(lens, budget, spare, 
 
 def test_a_policy_that_names_no_running_sequence_is_refused():
     manager = BlockManager(6, 4, watermark=0.0)
-    sch = FCFSScheduler(manager, max_num_batched_tokens=64, chunked_prefill=True, choose_victim=lambda running: None)
+    sch = FCFSScheduler(manager, chunked=ChunkedPrefill(64), choose_victim=lambda running: None)
     reqs = [Request(i, 0.0, 8, 8) for i in range(3)]
     with pytest.raises(ValueError, match="victim policy <lambda> returned None"):
         simulator.simulate(reqs, manager, scheduler=sch, progress=False)
@@ -115,7 +115,7 @@ def test_a_policy_that_names_no_running_sequence_is_refused():
 # ---- the plan function's contract ------------------------------------------------------------------------------
 def _scheduler(plan_fn, sharing=False):
     manager = (SharingBlockManager if sharing else BlockManager)(16, 4, watermark=0.0)
-    sch = FCFSScheduler(manager, max_num_batched_tokens=12, chunked_prefill=True, plan_fn=plan_fn)
+    sch = FCFSScheduler(manager, chunked=ChunkedPrefill(12, plan_fn))
     ids = [2, 7, 7, 7, 7, 7, 7, 7, 9, 9]
     for i in range(3):
         sch.add(Sequence(Request(i, 0.0, 10, 3, prompt_ids=list(ids))))
@@ -163,7 +163,7 @@ def test_a_wrong_plan_is_refused_and_changes_nothing(plan, error, words, sharing
     sch.plan_fn = budgeted_schedule  # and the engine goes on serving: nothing leaked
     runner, step = simulator.AccountingRunner(), 0
     while sch.has_work and step < 500:
-        serve_step(sch, runner, manager, step)
+        serve_step(sch, runner, step)
         step += 1
     assert len(sch.finished) == 3 and not manager.tables and manager.num_free_blocks == 16
 

@@ -28,7 +28,7 @@ from lesson_utils.memory.sharing import SharingBlockManager
 from lesson_utils.serving import simulator
 from lesson_utils.serving.engine import Engine
 from lesson_utils.serving.scheduler import FCFSScheduler
-from lesson_utils.serving.token_budget import Chunk, TokenState, budgeted_schedule
+from lesson_utils.serving.token_budget import Chunk, ChunkedPrefill, TokenState, budgeted_schedule
 from lesson_utils.types import Request
 
 # ---- the policy -----------------------------------------------------------------------------------------------
@@ -92,7 +92,7 @@ class BudgetRunner(simulator.AccountingRunner):
         self.sch.manager.check_invariants()
         self.steps += 1
         self.max_tokens = max(self.max_tokens, total)
-        super().execute(plan)
+        return super().execute(plan)
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -118,7 +118,7 @@ def test_chunked_scheduling_keeps_the_budget_finishes_every_prompt_and_leaks_not
         manager = SharingBlockManager(num_blocks, block_size, watermark=0.0)
     else:
         manager = BlockManager(num_blocks, block_size, watermark=0.0)
-    sch = FCFSScheduler(manager, max_num_batched_tokens=budget, chunked_prefill=True)
+    sch = FCFSScheduler(manager, chunked=ChunkedPrefill(budget))
     runner = BudgetRunner(sch)
     res = simulator.simulate(reqs, manager, scheduler=sch, runner=runner, progress=False, max_steps=50_000)
     assert sorted(s.seq_id for s in res.finished) == list(range(len(reqs)))
@@ -133,10 +133,14 @@ def test_chunked_scheduling_keeps_the_budget_finishes_every_prompt_and_leaks_not
 
 def test_chunked_prefill_needs_a_budget_and_recompute():
     m = BlockManager(8, 4)
-    with pytest.raises(ValueError, match="give max_num_batched_tokens"):
-        FCFSScheduler(m, chunked_prefill=True)
+    with pytest.raises(TypeError, match="ChunkedPrefill"):
+        FCFSScheduler(m, chunked=True)
+    with pytest.raises(ValueError, match="positive int"):
+        ChunkedPrefill(0)
+    with pytest.raises(ValueError, match="its own budget"):
+        FCFSScheduler(m, chunked=ChunkedPrefill(8), max_num_batched_tokens=8)
     with pytest.raises(ValueError, match="preempts by recompute"):
-        FCFSScheduler(m, max_num_batched_tokens=8, chunked_prefill=True, preemption_mode="swap", swap_space=object())
+        FCFSScheduler(m, chunked=ChunkedPrefill(8), preemption_mode="swap", swap_space=object())
 
 
 def test_a_wrong_plan_is_refused_with_what_is_wrong():
@@ -158,7 +162,7 @@ def test_a_wrong_plan_is_refused_with_what_is_wrong():
         (out_of_order, "in arrival order"),
     ]:
         m = BlockManager(16, 4)
-        sch = FCFSScheduler(m, max_num_batched_tokens=8, chunked_prefill=True, plan_fn=fn)
+        sch = FCFSScheduler(m, chunked=ChunkedPrefill(8, fn))
         for i in range(2):
             sch.add(_seq(i, 6, 2))
         with pytest.raises(ValueError, match=message):
@@ -186,7 +190,7 @@ def test_chunked_engine_is_token_identical_to_hf(tiny, budget, caching):
     shared = _prompts(w, [37], seed=1)[0]
     prompts = _prompts(w, [60, 5, 23], seed=2) + [shared + [9, 10, 11], shared + [12, 13]]
     manager = SharingBlockManager(64, 4, enable_prefix_caching=caching, max_seq_len=w.max_positions)
-    engine = Engine(w, PagedKVCache.for_model(w, manager=manager), max_num_batched_tokens=budget, chunked_prefill=True)
+    engine = Engine(w, PagedKVCache.for_model(w, manager=manager), chunked_prefill=ChunkedPrefill(budget))
     got = engine.generate(prompts, 8)
     assert_identical(model, prompts, [hf_greedy(model, p, 8, w.eos_token_id, check_ties=False) for p in prompts], got)
     assert max(step.prefill_tokens for step in engine.stats) <= budget
@@ -201,8 +205,7 @@ def test_chunked_engine_under_preemption_is_token_identical_to_hf(tiny):
     engine = Engine(
         w,
         PagedKVCache.for_model(w, manager=BlockManager(16, 4, watermark=0.0, max_seq_len=w.max_positions)),
-        max_num_batched_tokens=16,
-        chunked_prefill=True,
+        chunked_prefill=ChunkedPrefill(16),
     )
     got = engine.generate(prompts, 20)
     assert engine.scheduler.num_preemptions > 0
@@ -214,7 +217,7 @@ def test_a_long_prompt_no_longer_makes_one_step_long(tiny):
     """Chunking caps the tokens of every step: with a budget of 16, a 200-token prompt arriving beside decodes
     is spread over many steps, and no step computes more than 16 tokens."""
     _, w = tiny
-    engine = Engine(w, PagedKVCache.for_model(w, 120, 4), max_num_batched_tokens=16, chunked_prefill=True)
+    engine = Engine(w, PagedKVCache.for_model(w, 120, 4), chunked_prefill=ChunkedPrefill(16))
     running = [engine.add_request(p, 30) for p in _prompts(w, [5, 6, 7], seed=4)]
     for _ in range(3):
         engine.step()
@@ -232,7 +235,7 @@ def test_the_unified_kernel_serves_the_chunked_engine(tiny):
     model, w = tiny
     prompts = _prompts(w, [21, 6], seed=6)
     cache = UnifiedTritonKVCache.for_model(w, 24, 4)
-    engine = Engine(w, cache, max_num_batched_tokens=8, chunked_prefill=True)
+    engine = Engine(w, cache, chunked_prefill=ChunkedPrefill(8))
     got = engine.generate(prompts, 5)
     assert_identical(model, prompts, [hf_greedy(model, p, 5, w.eos_token_id, check_ties=False) for p in prompts], got)
 
@@ -319,9 +322,7 @@ def test_serve_by_steps_records_every_step_and_every_gap(tiny):
     _, w = tiny
     prompts = _prompts(w, [6, 7, 90], seed=9)
     reqs = [Request(i, 0.0, len(p), n, prompt_ids=p) for i, (p, n) in enumerate(zip(prompts, [12, 9, 3]))]
-    engine = Engine(
-        w, PagedKVCache.for_model(w, 60, 4), stop_at_eos=False, max_num_batched_tokens=16, chunked_prefill=True
-    )
+    engine = Engine(w, PagedKVCache.for_model(w, 60, 4), stop_at_eos=False, chunked_prefill=ChunkedPrefill(16))
     trace = benchmark.serve_by_steps("t", engine, reqs, {0: 0, 1: 0, 2: 4}, {2}, progress=False)
     assert len(trace.step_s) == len(engine.stats) and (trace.step_tokens <= 16).all()
     assert trace.step_tokens.sum() == sum(len(p) + n - 1 for p, n in zip(prompts, [12, 9, 3]))  # every token fed once
@@ -374,7 +375,7 @@ def test_parallel_samples_and_beam_search_wait_for_a_chunked_prompt(tiny):
 
     def engine(chunked):
         manager = SharingBlockManager(64, 4, max_seq_len=w.max_positions)
-        kw = {"max_num_batched_tokens": 8, "chunked_prefill": True} if chunked else {}
+        kw = {"chunked_prefill": ChunkedPrefill(8)} if chunked else {}
         return Engine(w, PagedKVCache.for_model(w, manager=manager), **kw)
 
     outputs = {}
@@ -387,3 +388,18 @@ def test_parallel_samples_and_beam_search_wait_for_a_chunked_prompt(tiny):
     assert outputs[True] == outputs[False] == [hf_greedy(model, prompt, 6, w.eos_token_id)] * 3
     beams = {chunked: engine(chunked).beam_search(prompt, 3, 5)[0] for chunked in (False, True)}
     assert beams[True] == beams[False]
+
+
+def test_a_beam_search_that_runs_out_of_blocks_under_chunking_fails_clearly_and_frees_everything(tiny):
+    """The chunked path keeps the beam guard of the other: a beam cannot be preempted while its group goes on
+    (before the one schedule path, the chunked copy preempted a beam by recompute and the search went on with a
+    beam missing). The search fails with a clear error, and every block is free afterwards."""
+    from lesson_utils.types import OutOfBlocks
+
+    _, w = tiny
+    prompt = _prompts(w, [10], seed=4)[0]
+    manager = SharingBlockManager(6, 4, watermark=0.0, max_seq_len=w.max_positions)
+    engine = Engine(w, PagedKVCache.for_model(w, manager=manager), chunked_prefill=ChunkedPrefill(8))
+    with pytest.raises(OutOfBlocks, match="beam search ran out of blocks for its 4 beams"):
+        engine.beam_search(prompt, 4, 12)
+    assert not manager.tables and manager.num_free_blocks == 6 and not engine.scheduler.has_work

@@ -53,11 +53,10 @@ def test_the_work_of_a_plan():
         sch.add(s)
     runner = simulator.AccountingRunner()
     plan = sch.schedule(0)
-    runner.execute(plan)
+    sch.update_from_output(plan, runner.execute(plan))
     assert StepWork.of_plan(plan) == StepWork(0, 9, 9)  # two prefills, every prompt token attended once
-    sch.retire_finished(0)
     plan = sch.schedule(1)
-    runner.execute(plan)
+    sch.update_from_output(plan, runner.execute(plan))
     assert StepWork.of_plan(plan) == StepWork(2, 0, 4 + 7)  # two decodes over 4 and 7 tokens
 
 

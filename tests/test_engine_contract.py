@@ -16,6 +16,7 @@ from lesson_utils.memory.sharing import SharingBlockManager
 from lesson_utils.memory.swap import SwapSpace
 from lesson_utils.serving.engine import Engine
 from lesson_utils.serving.scheduler import FCFSScheduler
+from lesson_utils.serving.token_budget import ChunkedPrefill
 
 GOOD = [2, 17, 99, 140]
 
@@ -173,9 +174,7 @@ def test_decode_refuses_a_used_table_entry_outside_the_cache():
 @pytest.fixture
 def chunked(tiny):
     _, w = tiny
-    return Engine(
-        w, PagedKVCache.for_model(w, num_blocks=40, block_size=4), max_num_batched_tokens=8, chunked_prefill=True
-    )
+    return Engine(w, PagedKVCache.for_model(w, num_blocks=40, block_size=4), chunked_prefill=ChunkedPrefill(8))
 
 
 @pytest.mark.parametrize("prompt, error", [([2, 320], ValueError), ([2, 7.5], TypeError), ([], ValueError)])

@@ -69,11 +69,11 @@ def test_engine_step_is_serve_step_and_a_step_must_return_its_plan(tiny):
     engine = Engine(w, PagedKVCache.for_model(w, 40, 4))
     assert engine.step_fn is serve_step
     engine.add_request([2, 5, 6], 3)
-    result = serve_step(engine.scheduler, engine.runner, engine.manager, 0)
+    result = serve_step(engine.scheduler, engine.runner, 0)
     assert isinstance(result, StepResult) and result.plan.admitted and result.finished == []
 
-    def finished_only(s, r, m, step):
-        return serve_step(s, r, m, step).finished
+    def finished_only(s, r, step):
+        return serve_step(s, r, step).finished
 
     wrong = Engine(w, PagedKVCache.for_model(w, 40, 4), step_fn=finished_only)
     wrong.add_request([2, 5, 6], 3)

@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import random
 import re
-from dataclasses import replace
 
 import pytest
 import torch
@@ -414,24 +413,33 @@ class CheckedScheduler(FCFSScheduler):
         self.swap_ins: list[int] = []
         self.admissions: list[int] = []
         self.last_admitted: list[Sequence] = []
+        self.children: list[int] = []
+        self._next_id = 10_000  # forked samples get ids far from the requests'
 
-    def admit(self, step):
-        swapped, waiting = [s.seq_id for s in self.swapped], [s.seq_id for s in self.waiting]
-        running = {s.seq_id for s in self.running}
-        admitted = super().admit(step)
-        back = [s.seq_id for s in self.running if s.seq_id not in running and s not in admitted]
-        assert back == swapped[: len(back)], f"swapped in {back}, out of order {swapped}"
-        assert [s.seq_id for s in self.swapped] == swapped[len(back) :]
-        if self.swapped:
+    def add(self, seq):
+        n = seq.request.tags.get("n", 1)  # parallel sampling, as the engine does it: the scheduler forks after
+        seq.pending_forks, seq.samples = n - 1, [seq]  # the prefill (the simulator's sequences ask for none)
+        super().add(seq)
+
+    def _fork_samples(self, parent, logits):
+        super()._fork_samples(parent, logits)
+        self.children += [c.seq_id for c in parent.samples[1:]]
+
+    def schedule(self, step):
+        swapped, waiting = list(self.swapped), list(self.waiting)
+        plan = super().schedule(step)
+        back = [s.seq_id for s in swapped if s.admitted_step == step]  # (admission sets admitted_step; a
+        admitted = [s for s in waiting if s.admitted_step == step]  # preemption never resets it)
+        assert back == [s.seq_id for s in swapped][: len(back)], f"swapped in {back}, out of order"
+        if len(back) < len(swapped):
             assert not admitted, "a new request was admitted while a swapped one waits"
-        assert [s.seq_id for s in admitted] == waiting[: len(admitted)], "a request overtook the queue head"
-        assert all(s.admitted_step == step for s in self.running if s.seq_id in back or s in admitted), (
-            "a sequence that comes back counts as admitted now (it is the first victim again)"
+        assert [s.seq_id for s in admitted] == [s.seq_id for s in waiting][: len(admitted)], (
+            "a request overtook the head"
         )
         self.swap_ins += back
         self.admissions += [s.seq_id for s in admitted]
         self.last_admitted = admitted
-        return admitted
+        return plan
 
     @staticmethod
     def _checked_victim(running):
@@ -462,7 +470,6 @@ class CheckingRunner(simulator.AccountingRunner):
 
     def __init__(self, sch: FCFSScheduler):
         self.sch, self.steps = sch, 0
-        self.children: list[int] = []
         self.gpu: dict[tuple[int, int], object] = {}
         self.cpu: dict[tuple[int, int], object] = {}
         self.verified = 0
@@ -514,24 +521,10 @@ class CheckingRunner(simulator.AccountingRunner):
         # exceed it, but a step that prefills (admits someone, or swaps in one that was swapped out before its
         # prefill ran) never does. One request over the budget alone runs alone.
         prefills = sch.last_admitted or any(s.len - s.kv_len > 1 for s in running)
-        if budget is not None and (not self.children or prefills):
+        if budget is not None and (not sch.children or prefills):
             assert tokens <= budget or len(running) == 1, f"step {step}: {tokens} tokens over the budget {budget}"
         self.steps += 1
-        super().execute(plan)
-        for s in list(running):  # parallel sampling, as the engine does it: fork after the first step
-            if s.request.tags.get("n", 1) > 1 and not getattr(s, "forked", False):
-                s.forked = True
-                for _ in range(s.request.tags["n"] - 1):
-                    child = Sequence(
-                        replace(s.request, req_id=10_000 + len(self.children), tags={}),
-                        num_generated=s.num_generated,
-                        admitted_step=s.admitted_step,
-                        first_token_step=s.first_token_step,
-                        kv_len=s.kv_len,
-                    )
-                    sch.manager.fork(s.seq_id, child.seq_id)
-                    sch.running.append(child)
-                    self.children.append(child.seq_id)
+        return super().execute(plan)
 
 
 ALPHA = (4, 5, 6)  # prompts over a tiny alphabet share prefixes, so the prefix cache really hits
@@ -600,8 +593,8 @@ def run_workload(seed: int) -> dict:
         reqs, manager, scheduler=sch, runner=runner, progress=False, step_time_s=0.02, max_steps=20_000
     )
     assert not sch.has_work, "unfinished work after 20 000 steps (livelock?)"
-    assert sorted(s.seq_id for s in res.finished) == [r.req_id for r in reqs] + runner.children, "a request was lost"
-    assert len(runner.children) == sum(r.tags["n"] - 1 for r in reqs)
+    assert sorted(s.seq_id for s in res.finished) == [r.req_id for r in reqs] + sch.children, "a request was lost"
+    assert len(sch.children) == sum(r.tags["n"] - 1 for r in reqs)
     assert all(s.num_generated == s.request.output_len for s in res.finished)
     assert_all_free(manager, space)
     for e in sch.events:
@@ -625,7 +618,7 @@ def run_workload(seed: int) -> dict:
         events=sch.events,
         hits=getattr(manager, "cached_prompt_tokens", 0),
         verified=runner.verified,
-        forks=len(runner.children),
+        forks=len(sch.children),
         cow=getattr(manager, "num_cow", 0),
     )
 
@@ -779,8 +772,7 @@ def test_admission_stops_at_the_token_budget():
     for step in range(4):
         plan = sch.schedule(step)
         admitted.append([s.seq_id for s in plan.admitted])
-        runner.execute(plan)
-        sch.retire_finished(step)
+        sch.update_from_output(plan, runner.execute(plan))
     assert admitted == [[0, 1], [2, 3], [], [4, 5]]
     assert [s.seq_id for s in sch.finished] == [0, 1, 2, 3, 5]
 
@@ -815,7 +807,8 @@ def test_a_swapped_sequence_waits_for_the_budget_like_a_new_one():
     log = _drive(sch, {0: [r1], 5: [r0, r2]}, 40)
     assert [(e.step, e.seq_id, e.mode) for e in sch.events][:2] == [(5, 2, "swap"), (5, 0, "swap")]
     assert log[5]["admitted"] == [0, 2] and log[5]["swapped"] == [2, 0]
-    assert log[6]["back"] == [2] and len(log[6]["running"]) == 4  # R1, R2 and R2's two forked samples
+    assert log[6]["back"] == [2] and 1 in log[6]["running"]  # R1 runs its last step beside R2
+    assert log[6]["running after"] == [2, 10_000, 10_001]  # R1 is done; R2 and its two forked samples decode
     assert log[7]["back"] == [] and log[7]["free_before"] >= 5 and log[7]["swapped"] == [0]
     assert log[8]["back"] == [0]
     assert len(sch.finished) == 1 + 2 + 3 and not sch.has_work
@@ -845,14 +838,15 @@ def _drive(sch: CheckedScheduler, arrivals: dict[int, list[Sequence]], steps: in
         free, ins, adm = sch.manager.allocator.num_free, len(sch.swap_ins), len(sch.admissions)
         plan = sch.schedule(step)
         entry = dict(step=step, free_before=free, back=sch.swap_ins[ins:], admitted=sch.admissions[adm:])
-        runner.execute(plan)
+        output = runner.execute(plan)
         entry.update(
             running=[s.seq_id for s in sch.running],
             swapped=[s.seq_id for s in sch.swapped],
             waiting=[s.seq_id for s in sch.waiting],
         )
         log.append(entry)
-        sch.retire_finished(step)
+        sch.update_from_output(plan, output)
+        entry["running after"] = [s.seq_id for s in sch.running]
         if not sch.has_work:
             break
     return log

@@ -108,10 +108,10 @@ def test_scheduler_is_fcfs_head_of_line():
     big, small = workloads.Request(0, 0, 1500, 500), workloads.Request(1, 0, 10, 10)
     filler = workloads.Request(2, 0, 1000, 10)
     s.add(Sequence(filler))
-    s.admit(0)
+    s.schedule(0)
     s.add(Sequence(big))
     s.add(Sequence(small))
-    assert s.admit(1) == []  # the big one does not fit, and the small one may not overtake it
+    assert s.schedule(1).admitted == []  # the big one does not fit, and the small one may not overtake it
 
 
 def test_kv_budget_accounting():

@@ -73,7 +73,7 @@ def _run(w, step_fn, prompts, max_new, num_blocks, forks: bool = False) -> _Run:
 
 
 def check_engine_step(fn, w) -> CheckResult:
-    """Exercise 07-1: schedule (admit, make room), run, register computed blocks, retire - in that order."""
+    """Exercise 07-1: schedule (admit, make room), execute (the forward pass), update (tokens, prefix cache, frees)."""
     name = "engine_step"
     g = torch.Generator().manual_seed(7)
     shared = [w.bos_token_id] + torch.randint(4, w.vocab_size, (12,), generator=g).tolist()
@@ -84,7 +84,11 @@ def check_engine_step(fn, w) -> CheckResult:
     except NotImplementedError:
         return not_implemented(name, serve_step)
     except TimeoutError as err:
-        return failed(name, f"{err}: do finished sequences ever leave the batch?", serve_step)
+        return failed(
+            name,
+            f"{err}: does every step end with the scheduler's update (the tokens, and freeing what finished)?",
+            serve_step,
+        )
     except OutOfBlocks as err:
         return failed(
             name,
@@ -102,7 +106,7 @@ def check_engine_step(fn, w) -> CheckResult:
             name,
             f"outputs are right, but the prefix cache served {got.hits} prompt tokens (expected "
             f"{ref.hits}) and holds {len(got.registered)} registered blocks (expected {len(ref.registered)}): "
-            "when are computed blocks registered?",
+            "does every step hand the runner's output to the scheduler's update (it registers computed blocks)?",
             serve_step,
         )
     if len(got.finished_per_step) > len(ref.finished_per_step):

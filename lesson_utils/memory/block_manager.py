@@ -116,6 +116,9 @@ class BlockManager:
     def free(self, seq: Sequence) -> None:
         self.free_seq(seq.seq_id)
 
+    def block_is_free(self, block_id: int) -> bool:
+        return self.allocator.is_free(block_id)
+
     def cache_computed(self, seq: Sequence) -> None:
         """Nothing to register: this manager has no prefix cache (lesson 05's has)."""
 

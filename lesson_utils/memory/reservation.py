@@ -122,6 +122,9 @@ class ContiguousReservationManager:
     def cache_computed(self, seq: Sequence) -> None:
         """Nothing to register: contiguous reservations have no prefix cache."""
 
+    def block_is_free(self, block_id: int) -> bool:
+        raise ValueError("contiguous reservations have no blocks (swapping needs a block manager)")
+
     def pop_copies(self) -> list[tuple[int, int]]:
         return []  # nothing is shared
 

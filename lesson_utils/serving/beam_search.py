@@ -27,9 +27,10 @@ class BeamGroup:
     physical_blocks: int = 0  # summed over steps: distinct blocks they hold
     best: Sequence | None = None  # once finished
 
-    def choose(self) -> list[tuple[int, int, float]]:
-        """``(beam index, token, score)`` of the ``width`` best continuations, best first (one host sync)."""
-        logp = torch.log_softmax(torch.stack([b.last_logits for b in self.beams]).float(), dim=-1).cpu()
+    def choose(self, rows: list[torch.Tensor]) -> list[tuple[int, int, float]]:
+        """``(beam index, token, score)`` of the ``width`` best continuations, best first (one host sync);
+        ``rows[i]`` is beam ``i``'s logits row from this step's forward pass."""
+        logp = torch.log_softmax(torch.stack(rows).float(), dim=-1).cpu()
         total = (torch.tensor(self.scores)[:, None] + logp).flatten()
         vocab = logp.shape[1]
         order = torch.argsort(-total, stable=True)[: self.width].tolist()

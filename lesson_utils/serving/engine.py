@@ -14,9 +14,11 @@ Each :meth:`Engine.step` is one :func:`~lesson_utils.serving.step.serve_step` (o
 the simulator (lesson 02) runs the same function with the accounting runner in place of the model runner, so
 the same scheduler and memory manager objects make the same decisions.
 
-Lesson 05 adds: registering computed blocks in the prefix cache after each step, parallel sampling
-(``n`` samples of one prompt share its blocks by forking after the prefill) and beam search (a group of beams
-that fork and die; copy-on-write keeps their diverging last blocks apart), both served by the scheduler.
+What the later lessons add is configuration, not another engine: the prefix cache, parallel sampling (``n``
+samples of one prompt share its blocks by forking after the prefill) and beam search (lesson 05, a sharing
+memory manager), preemption by swap or recompute and the victim policy (lesson 06: ``preemption_mode``,
+``swap_space``, ``scheduler_kw``), chunked prefill (lesson 08: ``chunked_prefill=ChunkedPrefill(budget)``) and
+requests prefilled elsewhere (lesson 09: :mod:`lesson_utils.disagg.handover`).
 """
 
 from __future__ import annotations
@@ -31,9 +33,11 @@ from lesson_utils.model.opt_forward import OPTWeights
 from lesson_utils.serving.beam_search import BeamGroup
 from lesson_utils.serving.cost_model import StepWork
 from lesson_utils.serving.model_runner import ModelRunner
-from lesson_utils.serving.scheduler import FCFSScheduler, StepPlan
+from lesson_utils.serving.output import StepPlan
+from lesson_utils.serving.scheduler import FCFSScheduler
 from lesson_utils.serving.step import StepResult, serve_step
-from lesson_utils.types import Request, Sequence
+from lesson_utils.serving.token_budget import ChunkedPrefill
+from lesson_utils.types import Request, Sequence, SequenceStatus
 
 
 def check_token_ids(ids, vocab_size: int, what: str = "prompt") -> list[int]:
@@ -104,9 +108,9 @@ class Engine:
     stop_at_eos: bool = True
     preemption_mode: str = "recompute"  # lesson 06: or "swap"
     swap_space: object = None  # a lesson_utils.memory.swap.SwapSpace, for preemption_mode="swap"
-    max_num_batched_tokens: int | None = None
-    chunked_prefill: bool = False  # lesson 08: prompts prefilled a chunk at a time within the token budget
-    scheduler_kw: dict = field(default_factory=dict)  # e.g. a learner's choose_victim / reset
+    max_num_batched_tokens: int | None = None  # a token budget per step for whole prompts (no chunking)
+    chunked_prefill: ChunkedPrefill | None = None  # lesson 08: prompts prefilled a chunk at a time, in its budget
+    scheduler_kw: dict = field(default_factory=dict)  # lesson 06: a learner's choose_victim / reset
     step_fn: object = serve_step  # lesson 07: a learner's version of serve_step
     stats: list[StepStats] = field(default_factory=list)
 
@@ -119,7 +123,7 @@ class Engine:
             preemption_mode=self.preemption_mode,
             swap_space=self.swap_space,
             max_num_batched_tokens=self.max_num_batched_tokens,
-            chunked_prefill=self.chunked_prefill,
+            chunked=self.chunked_prefill,
             **self.scheduler_kw,
         )
         self.runner = ModelRunner(self.w, self.cache, self.swap_space)
@@ -203,11 +207,11 @@ class Engine:
         """One iteration (:func:`~lesson_utils.serving.step.serve_step`, or ``step_fn``), timed and recorded;
         returns the sequences that finished in it."""
         t0 = time.perf_counter()
-        result = self.step_fn(self.scheduler, self.runner, self.manager, self._step)
+        result = self.step_fn(self.scheduler, self.runner, self._step)
         if not (isinstance(result, tuple) and len(result) == 2 and isinstance(result[0], StepPlan)):
             raise TypeError(
                 "a step returns (plan, finished): the StepPlan from scheduler.schedule(step) and the list "
-                f"scheduler.retire_finished(step) returns; got {type(result).__name__}"
+                f"scheduler.update_from_output(plan, output) returns; got {type(result).__name__}"
             )
         plan, done = StepResult(*result)
         done = list(done)
@@ -279,7 +283,7 @@ class Engine:
                 self.step()
         except BaseException:
             for beam in group.beams:  # a failed search leaves nothing behind
-                if not beam.aborted and beam.finished_step is None:
+                if beam.status in (SequenceStatus.WAITING, SequenceStatus.RUNNING, SequenceStatus.SWAPPED):
                     self.scheduler.abort(beam)
             raise
         return group.best.output_ids, {"saving": group.saving, "cow": self.manager.num_cow}

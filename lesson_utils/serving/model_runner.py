@@ -6,37 +6,30 @@ import torch
 
 from lesson_utils.cache.seam import StepBatch
 from lesson_utils.model.opt_forward import OPTWeights, forward
-from lesson_utils.serving import sampling
-from lesson_utils.serving.scheduler import StepPlan
+from lesson_utils.serving.output import RunnerOutput, StepPlan
 from lesson_utils.types import Sequence
 
 
 class ModelRunner:
-    """Makes a plan's block copies in the cache, runs the forward pass, and picks each sequence's next token.
-
-    A sequence whose next token is not its own to pick - a beam (its group chooses among all beams' proposals)
-    or a parent whose forked samples draw their first tokens from the same logits - keeps its logits row in
-    ``last_logits`` for the scheduler, which settles them after the step."""
+    """Makes a plan's block copies in the cache, runs the forward pass, and hands back what it computed
+    (:class:`~lesson_utils.serving.output.RunnerOutput`): tokens computed per sequence, and the logits rows of the
+    sequences whose tokens are now all computed. It changes no sequence: the scheduler's ``update_from_output``
+    advances the counts and picks the tokens."""
 
     def __init__(self, w: OPTWeights, cache, swap_space=None):
         self.w, self.cache, self.swap_space = w, cache, swap_space
 
-    def execute(self, plan: StepPlan) -> None:
+    def execute(self, plan: StepPlan) -> RunnerOutput:
         self.apply(plan)
-        seqs = plan.scheduled
+        seqs, counts = plan.scheduled, plan.tokens_to_feed()
         if not seqs:
-            return
-        logits = self.logits(seqs, plan.tokens_to_feed())
-        # a sequence samples once all its tokens are computed (a prompt chunk that stops short does not)
-        ready = [i for i, s in enumerate(seqs) if s.kv_len == len(s.token_ids)]
+            return RunnerOutput([], [], None)
+        logits = self.logits(seqs, counts)
+        # a sequence gets a token once all its tokens are computed (a prompt chunk that stops short does not)
+        ready = [i for i, (s, n) in enumerate(zip(seqs, counts)) if s.kv_len + n == len(s.token_ids)]
         if len(ready) < len(seqs):
             logits = logits[torch.tensor(ready, device=logits.device)] if ready else logits[:0]
-        seqs = [seqs[i] for i in ready]
-        for seq, row, token in zip(seqs, logits, sampling.next_tokens(seqs, logits)):
-            if seq.beam is not None or seq.pending_forks:
-                seq.last_logits = row
-            if seq.beam is None:
-                seq.append_token(token, plan.step)
+        return RunnerOutput(counts, ready, logits)
 
     def apply(self, plan: StepPlan) -> None:
         """The plan's block copies, before the forward pass: swap-ins, swap-outs, then copy-on-write copies
@@ -49,13 +42,10 @@ class ModelRunner:
 
     def logits(self, seqs: list[Sequence], counts: list[int] | None = None) -> torch.Tensor:
         """Feed every sequence its next ``counts[i]`` uncomputed tokens (default: all of them); the logits of
-        each one's last fed token."""
+        each one's last fed token. The sequences are not changed."""
         device = self.w.embed_tokens.device
         if counts is None:
             counts = [len(s.token_ids) - s.kv_len for s in seqs]
         tokens = [seq.token_ids[seq.kv_len : seq.kv_len + n] for seq, n in zip(seqs, counts)]
         batch = StepBatch.build([s.seq_id for s in seqs], tokens, [s.kv_len for s in seqs], device=device)
-        out = forward(self.w, batch, self.cache, last_only=True)
-        for seq, n in zip(seqs, counts):
-            seq.kv_len += n
-        return out
+        return forward(self.w, batch, self.cache, last_only=True)

@@ -1,98 +1,58 @@
-"""Sequences, the memory-manager interface, and a first-come-first-served iteration-level scheduler.
+"""A first-come-first-served, iteration-level scheduler: ``schedule() -> StepPlan``, then
+``update_from_output(plan, output) -> finished``.
 
-The scheduler knows nothing about *how* memory is laid out: it asks a memory manager whether a request
-fits, tells it when a sequence grows by a token and when it finishes. Lesson 02 plugs in contiguous
-reservations (Max / Pow2 / Oracle), lesson 03 a block manager; the same scheduler then drives either a
-real model (the engine) or the memory-accounting runner (the simulator).
+The scheduler knows nothing about *how* memory is laid out: it asks a memory manager
+(:class:`~lesson_utils.types.MemoryManager`) whether a request fits, tells it when a sequence grows by a token and
+when it finishes. Lesson 02 plugs in contiguous reservations (Max / Pow2 / Oracle), lesson 03 a block manager;
+the same scheduler then drives either a real model (the engine) or the memory-accounting runner (the simulator).
 
-Token accounting, the same everywhere: a sequence holds one slot for every prompt token from admission,
-and one more for each token it generates, from the step that produces it.
+Token accounting, the same everywhere: a sequence holds one slot for every prompt token from admission, and one
+more for each token it generates, from the step that produces it. ``Sequence.kv_len`` counts the tokens whose K/V
+are computed (vLLM's ``num_computed_tokens``).
 """
 
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Callable
 
 import torch
 
 from lesson_utils.serving import sampling
-from lesson_utils.serving.token_budget import Chunk, TokenState, budgeted_schedule
-from lesson_utils.types import MemoryManager, OutOfBlocks, Sequence
+from lesson_utils.serving.output import RunnerOutput, StepPlan
+from lesson_utils.serving.preemption import PreemptionEvent, most_recently_admitted, reset_for_recompute
+from lesson_utils.serving.token_budget import Chunk, ChunkedPrefill, TokenState, whole_prompts
+from lesson_utils.types import MemoryManager, OutOfBlocks, Sequence, SequenceStatus
 
 
-def most_recently_admitted(running: list[Sequence]) -> Sequence:
-    """vLLM's victim: the running sequence admitted last (the latest arrival loses). Reference for exercise 06-2."""
-    return max(reversed(running), key=lambda s: -1 if s.admitted_step is None else s.admitted_step)
-
-
-def reset_for_recompute(seq: Sequence) -> None:
-    """Preempt by recompute: forget the cached K/V, keep every token (reference for exercise 06-3).
-
-    The prompt and the tokens generated so far are prefilled again when the sequence is readmitted; its
-    output so far, and how many tokens it has generated, do not change.
-    """
-    seq.kv_len = 0
-    seq.preemptions += 1
-
-
-@dataclass
-class StepPlan:
-    """What one step will do, decided by the scheduler before the model runs (:meth:`FCFSScheduler.schedule`).
-
-    ``scheduled``: the sequences that run this step (each has room for its next token); ``admitted``: those
-    new to the cache this step (they prefill); ``preempted``: those pushed out to make room; ``swap_in`` and
-    ``swap_out``: the block copies to make before the forward pass, ``(cpu, gpu)`` and ``(gpu, cpu)`` pairs,
-    swap-ins first (a CPU block read in may be reused by a swap-out of the same step); ``copies``: the
-    copy-on-write copies ``(src, dst)`` within the GPU cache, made after the swaps.
-    """
-
-    step: int
-    scheduled: list[Sequence]
-    admitted: list[Sequence] = field(default_factory=list)
-    preempted: list[Sequence] = field(default_factory=list)
-    swap_in: list[tuple[int, int]] = field(default_factory=list)
-    swap_out: list[tuple[int, int]] = field(default_factory=list)
-    copies: list[tuple[int, int]] = field(default_factory=list)
-    prefill_tokens: int = 0  # prompt tokens fed this step (sequences admitted this step, or prompt chunks)
-    num_tokens: list[int] | None = None  # tokens each scheduled sequence feeds; None: all it has not computed
-
-    def tokens_to_feed(self) -> list[int]:
-        """How many tokens each scheduled sequence feeds this step (from ``kv_len``)."""
-        if self.num_tokens is None:
-            return [s.len - s.kv_len for s in self.scheduled]
-        return list(self.num_tokens)
-
-
-@dataclass
-class PreemptionEvent:
-    step: int
-    seq_id: int
-    mode: str  # "swap" or "recompute"
-    note: str = ""
+def _positive(value, what: str) -> None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise ValueError(f"{what} must be a positive int, got {value!r}")
 
 
 class FCFSScheduler:
     """First come, first served, at iteration level (Orca's idea: a batch changes every step).
 
-    Each step: sequences swapped out to CPU come back first, in the order they left, while their blocks fit
-    (above the manager's watermark); only when none is left waiting in swap are new requests admitted, in
-    arrival order, while the memory manager says the head one fits and the step's token budget
-    (``max_num_batched_tokens``: prefill tokens plus one per decoding sequence) allows. A request that
-    does not fit blocks those behind it (no overtaking), which is what first-come-first-served means. Then
-    room is made for the token every running sequence is about to generate.
+    One loop each step (:meth:`schedule`): sequences swapped out to CPU come back first, in the order they left,
+    while their blocks fit (above the manager's watermark); then a token policy hands out the step's tokens and
+    admits waiting requests through the memory manager, in arrival order, while the head one fits - a request
+    that does not fit blocks those behind it (no overtaking). The policy is :func:`whole_prompts` (every running
+    sequence computes what it has not, new requests prefill whole, within ``max_num_batched_tokens`` if given), or
+    lesson 08's budgeted one with ``chunked=ChunkedPrefill(budget)``. Then room is made for the token every
+    sequence that completes its tokens is about to get.
 
-    If a running sequence cannot grow because memory ran out (paging reserves nothing ahead), a victim is
-    preempted - the most recently admitted sequence, as in vLLM - in one of two modes:
+    If a sequence cannot grow because memory ran out (paging reserves nothing ahead), a victim is preempted - the
+    most recently admitted sequence, as in vLLM, or a learner's ``choose_victim`` - in one of two modes:
 
-    * ``"recompute"``: its blocks are freed; it goes back to the front of the queue keeping its tokens, to
-      be prefilled again later (with prefix-cache hits where lesson 05's cache is on);
-    * ``"swap"``: its blocks are copied to the CPU ``swap_space`` and freed on the GPU; it waits in the
-      swapped queue. If the swap space cannot hold it, it is recomputed instead and the event says so.
+    * ``"recompute"``: its blocks are freed; it goes back to the front of the queue keeping its tokens, to be
+      prefilled again later (with prefix-cache hits where lesson 05's cache is on);
+    * ``"swap"``: its blocks are copied to the CPU ``swap_space`` and freed on the GPU; it waits in the swapped
+      queue. If the swap space cannot hold it, it is recomputed instead and the event says so.
 
-    :meth:`schedule` runs both phases (:meth:`admit`, then :meth:`reserve_next_slots`) and returns the step's
-    :class:`StepPlan`, with the block copies the engine must make.
+    After the runner has computed the plan, :meth:`update_from_output` advances every computed count, samples and
+    appends the due tokens (the one place a token is born), registers full computed blocks in the prefix cache,
+    forks parallel samples, advances beam groups, and frees what finished.
     """
 
     def __init__(
@@ -105,41 +65,34 @@ class FCFSScheduler:
         max_num_batched_tokens: int | None = None,
         choose_victim: Callable = most_recently_admitted,
         reset: Callable = reset_for_recompute,
-        chunked_prefill: bool = False,
-        plan_fn: Callable = budgeted_schedule,
+        chunked: ChunkedPrefill | None = None,
     ):
         if preemption_mode not in ("recompute", "swap"):
             raise ValueError(f"preemption_mode is 'recompute' or 'swap', got {preemption_mode!r}")
         if preemption_mode == "swap" and swap_space is None:
             raise ValueError("preemption_mode='swap' needs a swap_space (lesson_utils.memory.swap.SwapSpace)")
-        if max_num_batched_tokens is not None and (
-            isinstance(max_num_batched_tokens, bool)
-            or not isinstance(max_num_batched_tokens, int)
-            or max_num_batched_tokens < 1
-        ):
-            raise ValueError(f"max_num_batched_tokens must be a positive int, got {max_num_batched_tokens!r}")
-        if chunked_prefill and max_num_batched_tokens is None:
-            raise ValueError("chunked prefill fills a token budget: give max_num_batched_tokens")
-        if chunked_prefill and preemption_mode != "recompute":
+        _positive(max_num_batched_tokens, "max_num_batched_tokens")
+        _positive(max_num_seqs, "max_num_seqs")
+        if chunked is not None and not isinstance(chunked, ChunkedPrefill):
+            raise TypeError(f"chunked is a ChunkedPrefill(budget, plan_fn), got {type(chunked).__name__}")
+        if chunked is not None and max_num_batched_tokens is not None:
+            raise ValueError(
+                "chunked prefill has its own budget: give ChunkedPrefill(budget), not max_num_batched_tokens"
+            )
+        if chunked is not None and preemption_mode != "recompute":
             raise ValueError("chunked prefill preempts by recompute here (preemption_mode='recompute')")
-        if max_num_seqs is not None and (
-            isinstance(max_num_seqs, bool) or not isinstance(max_num_seqs, int) or max_num_seqs < 1
-        ):
-            raise ValueError(f"max_num_seqs must be a positive int (or None for no limit), got {max_num_seqs!r}")
-        self.manager = manager
-        self.max_num_seqs = max_num_seqs
-        self.preemption_mode = preemption_mode
-        self.swap_space = swap_space
-        self.max_num_batched_tokens = max_num_batched_tokens
+        self.manager, self.max_num_seqs = manager, max_num_seqs
+        self.preemption_mode, self.swap_space = preemption_mode, swap_space
+        self.chunked = chunked
+        self.max_num_batched_tokens = chunked.budget if chunked else max_num_batched_tokens
+        self.plan_fn: Callable = chunked.plan_fn if chunked else whole_prompts
         self.choose_victim, self.reset = choose_victim, reset
-        self.chunked_prefill, self.plan_fn = chunked_prefill, plan_fn
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.swapped: deque[Sequence] = deque()
         self.finished: list[Sequence] = []
         self.events: list[PreemptionEvent] = []
-        self._swap_in: list[tuple[int, int]] = []  # this step's copies, handed over in its StepPlan
-        self._swap_out: list[tuple[int, int]] = []
+        self.observe: Callable[[StepPlan], None] | None = None  # the simulator's hook: after the tokens, before frees
         self._step = 0
         self._next_id = 0
 
@@ -152,8 +105,14 @@ class FCFSScheduler:
     def num_preemptions(self) -> int:
         return len(self.events)
 
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self.swapped)
+
+    # ---- requests in and out ----------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
         self.manager.check_admissible(seq)
+        seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)
 
     def add_running(self, seq: Sequence) -> None:
@@ -169,49 +128,41 @@ class FCFSScheduler:
         if any(s is seq or s.seq_id == seq.seq_id for s in self.running):
             raise ValueError(f"sequence {seq.seq_id} is running already")
         self.manager.check_admissible(seq)
+        seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
 
+    def abort(self, seq: Sequence) -> None:
+        """Cancel a sequence wherever it is (waiting, running or swapped) and give back all it holds.
+
+        Raises ``ValueError`` for a sequence this scheduler does not hold (finished, or already cancelled)."""
+        if seq.status is SequenceStatus.RUNNING and any(s is seq for s in self.running):
+            self.running = [s for s in self.running if s is not seq]
+            self.manager.free(seq)
+        elif seq.status is SequenceStatus.WAITING and any(s is seq for s in self.waiting):
+            self.waiting = deque(s for s in self.waiting if s is not seq)
+        elif seq.status is SequenceStatus.SWAPPED and any(s is seq for s in self.swapped):
+            self.swapped = deque(s for s in self.swapped if s is not seq)
+            self.swap_space.drop(seq.seq_id)
+        else:
+            raise ValueError(f"sequence {seq.seq_id} is {seq.status.value}: not waiting, running or swapped")
+        seq.status = SequenceStatus.ABORTED
+
+    # ---- the step's plan ----------------------------------------------------------------------------------
     def _room_for_another(self) -> bool:
         return self.max_num_seqs is None or len(self.running) < self.max_num_seqs
 
     def schedule(self, step: int) -> StepPlan:
-        """One step's decisions: admit (swapped sequences first), then make room for every running sequence's
-        next token, preempting if memory is short. Raises ``RuntimeError`` when nothing can run although
-        requests wait: the head request does not fit even into an empty cache.
-
-        With ``chunked_prefill`` the step's tokens come from the token budget instead (lesson 08:
-        :meth:`_schedule_chunks`)."""
-        if self.chunked_prefill:
-            return self._schedule_chunks(step)
-        admitted = self.admit(step)
-        if not self.running and (self.waiting or self.swapped):
-            raise RuntimeError(
-                "nothing is running and the head request still does not fit: the cache is too small for it even when empty"
-            )
-        preempted = self.reserve_next_slots()
-        return StepPlan(
-            step,
-            list(self.running),
-            admitted,
-            preempted,
-            self._swap_in,
-            self._swap_out,
-            self.manager.pop_copies(),
-            sum(s.len - s.kv_len for s in self.running if s.admitted_step == step),
-            [s.len - s.kv_len for s in self.running],
-        )
-
-    def _schedule_chunks(self, step: int) -> StepPlan:
-        """Lesson 08: ``plan_fn`` (:func:`~lesson_utils.serving.token_budget.budgeted_schedule`) picks the step's
-        token ranges within ``max_num_batched_tokens``, admitting through the memory manager as it goes (a
-        prompt's blocks are all taken at admission; its chunks only spread the compute). Then room is made for
-        the token each sequence that finishes its prompt (or decodes) is about to sample, preempting by
-        recompute if memory is short; a preempted sequence's chunk is dropped."""
+        """One step's decisions: swapped sequences back first, then the token policy (admitting as it goes), then
+        room for every token about to be sampled, preempting if memory is short. A plan the policy gets wrong is
+        refused naming it, and its admissions are undone. Raises ``RuntimeError`` when nothing can run although
+        requests wait: the head request does not fit even into an empty cache."""
         self._step = step
-        self._swap_in, self._swap_out = [], []
+        swap_in, swap_out = [], []
+        self._swap_out = swap_out
+        if self.chunked is None and self.swapped:
+            swap_in = self._swap_in(step, {})  # {cpu: gpu} this step's swap-ins moved: a shared block moves once
         admitted: list[Sequence] = []
-
-        saved: dict[int, tuple[int, int | None]] = {}  # seq_id -> (kv_len, admitted_step) before admit()
+        saved: dict[int, tuple[int, int | None]] = {}  # seq_id -> (kv_len, admitted_step) before admission
 
         def admit(seq_id: int) -> int | None:
             if not self.waiting or self.waiting[0].seq_id != seq_id:
@@ -225,47 +176,55 @@ class FCFSScheduler:
             saved[seq.seq_id] = (seq.kv_len, seq.admitted_step)
             self.manager.allocate(seq)  # prefix-cache hits set seq.kv_len
             self.waiting.popleft()
-            seq.admitted_step = step
+            seq.admitted_step, seq.status = step, SequenceStatus.RUNNING
             self.running.append(seq)
             admitted.append(seq)
             return seq.kv_len
 
         state = [TokenState(s.seq_id, s.kv_len, s.len) for s in self.running]
-        queue = [TokenState(s.seq_id, s.kv_len, s.len) for s in self.waiting]
-        try:
+        queue = [] if self.swapped else [TokenState(s.seq_id, s.kv_len, s.len) for s in self.waiting]
+        try:  # (swapped sequences come back before anyone new is admitted)
             chunks = self.plan_fn(state, queue, self.max_num_batched_tokens, admit)
             seqs = self._check_chunks(chunks)
         except BaseException:  # a refused (or crashing) plan leaves the scheduler as it found it
             self._undo_admissions(admitted, saved)
             raise
-        if not self.running and self.waiting:
+        if not self.running and (self.waiting or self.swapped):
             raise RuntimeError(
                 "nothing is running and the head request still does not fit: the cache is too small for it even when empty"
             )
-        preempted, i = [], 0
-        sampling = [s for s, c in zip(seqs, chunks) if c.end == s.len]  # they need a slot for the token they sample
-        while i < len(sampling):
-            try:
-                self.manager.append_slot(sampling[i])
-                i += 1
-            except OutOfBlocks:
-                victim = self._victim()
-                self.running = [s for s in self.running if s is not victim]
-                if any(s is victim for s in sampling[:i]):
-                    i -= 1
-                sampling = [s for s in sampling if s is not victim]
-                self._preempt(victim, {})
-                preempted.append(victim)
+        preempted = self._make_room([s for s, c in zip(seqs, chunks) if c.end == s.len], {})  # {gpu: cpu} swap-outs
         kept = [(s, c) for s, c in zip(seqs, chunks) if any(r is s for r in self.running)]
         return StepPlan(
             step,
             [s for s, _ in kept],
+            [c.end - c.start for _, c in kept],
             [s for s in admitted if any(r is s for r in self.running)],
             preempted,
-            copies=self.manager.pop_copies(),
-            prefill_tokens=sum(c.end - c.start for s, c in kept if not (c.end - c.start == 1 and s.num_generated)),
-            num_tokens=[c.end - c.start for _, c in kept],
+            swap_in,
+            swap_out,
+            self.manager.pop_copies(),
+            sum(c.end - c.start for s, c in kept if not (c.end - c.start == 1 and s.num_generated)),
         )
+
+    def _swap_in(self, step: int, moved: dict[int, int]) -> list[tuple[int, int]]:
+        """Swapped sequences back, in the order they left, while their blocks (and the token budget) allow."""
+        copies: list[tuple[int, int]] = []
+        watermark = self.manager.watermark_blocks
+        left = None if self.max_num_batched_tokens is None else self.max_num_batched_tokens - len(self.running)
+        while self.swapped and self._room_for_another():
+            seq = self.swapped[0]
+            if left is not None and seq.len - seq.kv_len > left and self.running:
+                break
+            if not self.swap_space.can_swap_in(self.manager, seq.seq_id, watermark if self.running else 0):
+                break
+            copies += self.swap_space.swap_in(self.manager, seq.seq_id, moved)
+            self.swapped.popleft()
+            seq.admitted_step, seq.status = step, SequenceStatus.RUNNING
+            self.running.append(seq)
+            if left is not None:
+                left -= seq.len - seq.kv_len
+        return copies
 
     def _undo_admissions(self, admitted: list[Sequence], saved: dict[int, tuple[int, int | None]]) -> None:
         """Give back what this step's admissions took: blocks freed, each sequence back at the head of the queue
@@ -273,6 +232,7 @@ class FCFSScheduler:
         for seq in reversed(admitted):
             self.manager.free(seq)
             seq.kv_len, seq.admitted_step = saved[seq.seq_id]
+            seq.status = SequenceStatus.WAITING
             self.running = [s for s in self.running if s is not seq]
             self.waiting.appendleft(seq)
         admitted.clear()
@@ -314,11 +274,35 @@ class FCFSScheduler:
                 )
             seqs.append(seq)
             total += c.end - c.start
-        if total > self.max_num_batched_tokens:
+        if self.chunked is not None and total > self.max_num_batched_tokens:
             raise ValueError(
                 f"the chunks from {name} hold {total} tokens, over the budget of {self.max_num_batched_tokens}"
             )
         return seqs
+
+    def _make_room(self, samplers: list[Sequence], moved: dict[int, int]) -> list[Sequence]:
+        """A slot for the token each of ``samplers`` is about to get, preempting while memory is short; returns
+        the sequences preempted (a preempted sequence's chunk is dropped)."""
+        preempted, i = [], 0
+        while i < len(samplers):
+            try:
+                self.manager.append_slot(samplers[i])
+                i += 1
+            except OutOfBlocks as err:
+                victim = self._victim()
+                if victim.beam is not None:  # a beam cannot wait while its group goes on: the search fails
+                    raise OutOfBlocks(
+                        f"beam search ran out of blocks for its {len(victim.beam.beams)} beams: {err}"
+                    ) from err
+                self.running = [s for s in self.running if s is not victim]
+                if any(s is victim for s in samplers[:i]):
+                    i -= 1
+                samplers = [s for s in samplers if s is not victim]
+                self._preempt(victim, moved)
+                preempted.append(victim)
+                for b in [b for b in moved if self.manager.block_is_free(b)]:
+                    del moved[b]  # freed: it may be handed out again this step, and then holds something else
+        return preempted
 
     def _victim(self) -> Sequence:
         """The policy's victim among the running sequences, checked. With chunked prefill a sequence may need
@@ -327,7 +311,7 @@ class FCFSScheduler:
         sequence while another is running, so that one always goes on and finishes. Without chunking every
         admission computes a token, and the policy chooses among all of them."""
         candidates = list(self.running)
-        if self.chunked_prefill and len(candidates) > 1:
+        if self.chunked is not None and len(candidates) > 1:
             first = min(candidates, key=lambda s: (s.request.arrival_s, s.seq_id))
             candidates = [s for s in candidates if s is not first]
         victim = self.choose_victim(candidates)
@@ -339,73 +323,13 @@ class FCFSScheduler:
             )
         return victim
 
-    def admit(self, step: int) -> list[Sequence]:
-        """Swap in, then admit what fits; returns the newly admitted (prefilling) sequences."""
-        self._step = step
-        self._swap_in, self._swap_out = [], []
-        moved: dict[int, int] = {}
-        watermark = self.manager.watermark_blocks
-        # a running sequence feeds one token; one swapped out before its prefill ran feeds all it has not computed
-        budget = None if self.max_num_batched_tokens is None else self.max_num_batched_tokens - len(self.running)
-        while self.swapped and self._room_for_another():
-            seq = self.swapped[0]
-            if budget is not None and seq.len - seq.kv_len > budget and self.running:
-                break
-            if not self.swap_space.can_swap_in(self.manager, seq.seq_id, watermark if self.running else 0):
-                break
-            self._swap_in += self.swap_space.swap_in(self.manager, seq.seq_id, moved)
-            self.swapped.popleft()
-            seq.admitted_step = step
-            self.running.append(seq)
-            if budget is not None:
-                budget -= seq.len - seq.kv_len
-        if self.swapped:
-            return []  # swapped sequences come back before anyone new is admitted
-        admitted = []
-        while self.waiting and self._room_for_another():
-            seq = self.waiting[0]
-            if budget is not None and seq.len - seq.kv_len > budget and (admitted or self.running):
-                break  # over this step's token budget; it goes first next step
-            if not self.manager.can_allocate(seq):
-                break
-            self.manager.allocate(seq)
-            self.waiting.popleft()
-            seq.admitted_step = step
-            self.running.append(seq)
-            admitted.append(seq)
-            if budget is not None:
-                budget -= seq.len - seq.kv_len
-        return admitted
-
-    def reserve_next_slots(self) -> list[Sequence]:
-        """Room for one more token in every running sequence; returns the sequences preempted for it."""
-        preempted, i = [], 0
-        moved: dict[int, int] = {}  # GPU -> CPU blocks of this step's swap-outs: shared blocks go once
-        while i < len(self.running):
-            try:
-                self.manager.append_slot(self.running[i])
-                i += 1
-            except OutOfBlocks as err:
-                victim = self._victim()
-                if victim.beam is not None:  # a beam cannot wait while its group goes on: the search fails
-                    raise OutOfBlocks(
-                        f"beam search ran out of blocks for its {len(victim.beam.beams)} beams: {err}"
-                    ) from err
-                index = next(k for k, s in enumerate(self.running) if s is victim)
-                self.running.pop(index)
-                if index < i:
-                    i -= 1
-                self._preempt(victim, moved)
-                preempted.append(victim)
-                for b in [b for b in moved if self.manager.allocator.is_free(b)]:
-                    del moved[b]  # freed: it may be handed out again this step, and then holds something else
-        return preempted
-
     def _preempt(self, victim: Sequence, moved: dict[int, int]) -> None:
+        note = ""
         if self.preemption_mode == "swap":
             if self.swap_space.can_swap_out(self.manager, victim.seq_id, moved):
                 self._swap_out += self.swap_space.swap_out(self.manager, victim.seq_id, moved)
                 victim.preemptions += 1
+                victim.status = SequenceStatus.SWAPPED
                 self.swapped.append(victim)
                 self.events.append(PreemptionEvent(self._step, victim.seq_id, "swap"))
                 return
@@ -413,49 +337,41 @@ class FCFSScheduler:
                 f"swap space full ({self.swap_space.num_free} of {self.swap_space.num_blocks} CPU blocks free): "
                 f"fell back to recompute"
             )
-        else:
-            note = ""
         self.manager.free(victim)
         self.reset(victim)
+        victim.status = SequenceStatus.WAITING
         self.waiting.appendleft(victim)
         self.events.append(PreemptionEvent(self._step, victim.seq_id, "recompute", note))
 
-    def abort(self, seq: Sequence) -> None:
-        """Cancel a sequence wherever it is (waiting, running or swapped) and give back all it holds.
+    # ---- after the forward pass -----------------------------------------------------------------------------
+    def update_from_output(self, plan: StepPlan, output: RunnerOutput) -> list[Sequence]:
+        """Settle the step with what the runner computed; returns the sequences that finished.
 
-        Raises ``ValueError`` for a sequence this scheduler does not hold (finished, or already cancelled)."""
-
-        def holds(queue) -> bool:  # by identity: two sequences may compare equal field by field
-            return any(s is seq for s in queue)
-
-        if holds(self.running):
-            self.running = [s for s in self.running if s is not seq]
-            self.manager.free(seq)
-        elif holds(self.waiting):
-            self.waiting = deque(s for s in self.waiting if s is not seq)
-        elif holds(self.swapped):
-            self.swapped = deque(s for s in self.swapped if s is not seq)
-            self.swap_space.drop(seq.seq_id)
-        else:
-            raise ValueError(
-                f"sequence {seq.seq_id} is not waiting, running or swapped (finished or cancelled already)"
-            )
-        seq.aborted = True
-
-    def retire_finished(self, step: int) -> list[Sequence]:
-        """Settle the step, then free every running sequence that has generated all its tokens: a parent that
-        has just prefilled forks its parallel samples (they share its blocks), beam groups keep their best
-        continuations (forking the beams chosen twice, freeing the ones not chosen)."""
-        # only sequences that sampled this step (a prompt chunk that stops short samples nothing yet)
-        for seq in [s for s in self.running if s.pending_forks and s.last_logits is not None]:
-            self._fork_samples(seq)
+        Every scheduled sequence's computed count advances; each sequence whose tokens are all computed gets its
+        next token, sampled here from its logits row (beams: their group chooses); full computed blocks enter the
+        prefix cache (here, before a finished sequence frees them); a parent that has just prefilled forks its
+        parallel samples; beam groups keep their best continuations; finished sequences free their memory."""
+        for seq, n in zip(plan.scheduled, output.num_computed):
+            seq.kv_len += n
+        due = [plan.scheduled[i] for i in output.sampling]
+        tokens = [None] * len(due) if output.logits is None else sampling.next_tokens(due, output.logits)
+        rows = {id(s): (None if output.logits is None else output.logits[j]) for j, s in enumerate(due)}
+        for seq, token in zip(due, tokens):
+            if seq.beam is None:
+                seq.append_token(token, plan.step)
+        if self.observe is not None:
+            self.observe(plan)
+        for seq in plan.scheduled:
+            self.manager.cache_computed(seq)
+        for seq in [s for s in self.running if s.pending_forks and id(s) in rows]:
+            self._fork_samples(seq, rows[id(seq)])
         for group in list({id(s.beam): s.beam for s in self.running if s.beam is not None}.values()):
-            if all(b.last_logits is not None for b in group.beams):
-                self._advance_beams(group, step)
+            if all(id(b) in rows for b in group.beams):
+                self._advance_beams(group, [rows[id(b)] for b in group.beams], plan.step)
         done = [s for s in self.running if s.is_finished]
         for seq in done:
             self.manager.free(seq)
-            seq.finished_step = step
+            seq.finished_step, seq.status = plan.step, SequenceStatus.FINISHED
             self.finished.append(seq)
         if done:
             self.running = [s for s in self.running if not s.is_finished]
@@ -463,9 +379,9 @@ class FCFSScheduler:
             group.best = max(zip(group.beams, group.scores), key=lambda b: b[1])[0]  # max keeps the first of equals
         return done
 
-    def _fork_samples(self, parent: Sequence) -> None:
-        """After the parent's prefill: n - 1 siblings share its blocks and draw their own first token from
-        its logits (each with its own generator: seeded from the parent's, so a seed repeats on any device)."""
+    def _fork_samples(self, parent: Sequence, logits: torch.Tensor | None) -> None:
+        """After the parent's prefill: n - 1 siblings share its blocks and draw their own first token from its logits
+        (each with its own generator: seeded from the parent's, so a seed repeats on any device)."""
         for i in range(parent.pending_forks):
             child = Sequence(
                 replace(parent.request, req_id=self.new_seq_id()),
@@ -477,19 +393,20 @@ class FCFSScheduler:
                 kv_len=parent.kv_len,
                 temperature=parent.temperature,
                 added_at=parent.added_at,
+                status=SequenceStatus.RUNNING,
             )
             if parent.temperature > 0:
                 child.generator = torch.Generator().manual_seed(int(parent.generator.initial_seed()) + 1000 * (i + 1))
             self.manager.fork(parent.seq_id, child.seq_id)
-            child.append_token(sampling.sample(child, parent.last_logits), parent.first_token_step)
+            token = None if logits is None else sampling.sample(child, logits)
+            child.append_token(token, parent.first_token_step)
             parent.samples.append(child)
             self.running.append(child)
         parent.pending_forks = 0
-        parent.last_logits = None
 
-    def _advance_beams(self, group, step: int) -> None:
+    def _advance_beams(self, group, rows: list[torch.Tensor], step: int) -> None:
         """Keep the group's ``width`` best continuations (see :mod:`lesson_utils.serving.beam_search`)."""
-        chosen = group.choose()
+        chosen = group.choose(rows)
         used: set[int] = set()
         beams = []
         for index, token, score in chosen:  # forks first: a fork copies its parent before it grows
@@ -504,6 +421,7 @@ class FCFSScheduler:
                     token_steps=list(parent.token_steps),
                     kv_len=parent.kv_len,
                     beam=group,
+                    status=SequenceStatus.RUNNING,
                 )
                 self.manager.fork(parent.seq_id, child.seq_id)
                 beams.append((child, token, score))
@@ -513,8 +431,8 @@ class FCFSScheduler:
         for index, seq in enumerate(group.beams):
             if index not in used:
                 self.manager.free(seq)
+                seq.status = SequenceStatus.DROPPED
         for seq, token, _ in beams:
-            seq.last_logits = None
             seq.append_token(token, step)
         group.beams, group.scores = [b for b, _, _ in beams], [sc for _, _, sc in beams]
         logical, physical = self.manager.sharing()
@@ -522,7 +440,3 @@ class FCFSScheduler:
         group.physical_blocks += physical
         # the group's beams run next step in the order chosen, after everyone else
         self.running = [s for s in self.running if s.beam is not group] + group.beams
-
-    @property
-    def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.swapped)

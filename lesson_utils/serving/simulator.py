@@ -1,8 +1,9 @@
 """An event-driven serving simulator that accounts memory instead of running a model.
 
-Time advances in decode iterations ("steps"). Each step: requests that have arrived join the waiting
-queue; the scheduler admits what the memory manager accepts; every running sequence generates one
-token (the *accounting runner*: no model, just bookkeeping); finished sequences free their memory.
+Time advances in iterations ("steps"). Each step: requests that have arrived join the waiting queue; the
+scheduler admits what the memory manager accepts; every running sequence computes what the plan gives it and,
+once its tokens are all computed, generates one token (the *accounting runner*: no model, just bookkeeping);
+finished sequences free their memory.
 Steps in which nothing is running and nobody waits are skipped (jump to the next arrival).
 
 Because the scheduler and memory managers are the same objects the real engine uses, experiments at
@@ -23,7 +24,8 @@ from typing import Callable
 import numpy as np
 
 from lesson_utils.serving.cost_model import StepCost, StepWork
-from lesson_utils.serving.scheduler import FCFSScheduler, StepPlan
+from lesson_utils.serving.output import RunnerOutput, StepPlan
+from lesson_utils.serving.scheduler import FCFSScheduler
 from lesson_utils.serving.step import serve_step
 from lesson_utils.types import MemoryManager, Request, Sequence
 
@@ -31,23 +33,14 @@ KINDS = ("token states", "reserved", "internal fragmentation", "free")
 
 
 class AccountingRunner:
-    """Stands in for the model: each scheduled sequence 'generates' one token per step (the scheduler has
-    already made room for it). There is no K/V, so the plan's block copies cost nothing. ``on_step(plan)``,
-    if given, is called once the step's tokens are in - the simulator records memory there, before finished
-    sequences leave."""
+    """Stands in for the model: each scheduled sequence "computes" the tokens the plan gives it (the scheduler has
+    already made room for them). There is no K/V, so the plan's block copies cost nothing, and no logits: the
+    scheduler's update appends a token (None: a simulation knows lengths, not ids) to every sequence that is due."""
 
-    on_step: Callable[[StepPlan], None] | None = None
-
-    def __init__(self, on_step: Callable[[StepPlan], None] | None = None):
-        self.on_step = on_step
-
-    def execute(self, plan: StepPlan) -> None:
-        for seq, n in zip(plan.scheduled, plan.tokens_to_feed()):
-            seq.kv_len += n  # what was fed this step is now "computed"
-            if seq.kv_len == seq.len:  # a prompt chunk that stops short samples nothing
-                seq.append_token(None, plan.step)
-        if self.on_step is not None:
-            self.on_step(plan)
+    def execute(self, plan: StepPlan) -> RunnerOutput:
+        counts = plan.tokens_to_feed()
+        due = [i for i, (s, n) in enumerate(zip(plan.scheduled, counts)) if s.kv_len + n == s.len]
+        return RunnerOutput(counts, due, None)
 
 
 @dataclass
@@ -66,6 +59,7 @@ class SimResult:
     map_stride: int = 1
     finished: list[Sequence] = field(default_factory=list)
     num_preemptions: int = 0
+    tokens: np.ndarray | None = None  # tokens computed in each recorded step (prompt tokens and decodes)
     step_end_s: np.ndarray | None = None  # with a step cost: the clock at the end of each step (steps 0, 1, ...)
 
     def e2e_s(self) -> dict[int, float]:
@@ -126,11 +120,13 @@ def simulate(
     scheduler: FCFSScheduler | None = None,
     runner: AccountingRunner | None = None,
     step_cost: StepCost | None = None,
+    on_step: Callable[[StepPlan], None] | None = None,
 ) -> SimResult:
     """Serve ``requests`` (arrival times in seconds) with ``manager``; record memory every step.
 
     ``step_time_s`` converts arrival times to steps (only the ratio of arrival rate to step rate matters
-    for memory); ``step_cost`` replaces it with a model of each step's time (module docstring). ``map_every > 0`` keeps a strided memory map (``map_columns`` slots wide) every that
+    for memory); ``step_cost`` replaces it with a model of each step's time (module docstring). ``on_step(plan)`` is
+    called at the moment memory is recorded (the step's tokens are in, finished sequences not yet gone). ``map_every > 0`` keeps a strided memory map (``map_columns`` slots wide) every that
     many steps, for pictures. ``max_steps`` stops early (the rest stay unserved).
     """
     scheduler = scheduler or FCFSScheduler(manager, max_num_seqs=max_num_seqs)
@@ -140,7 +136,7 @@ def simulate(
         scheduler.manager.check_admissible(Sequence(r))  # fail fast, before simulating anything
 
     stride = max(1, manager.total_slots // map_columns)
-    rec_steps, rec_running, rec_waiting, rec_frag = [], [], [], []
+    rec_steps, rec_running, rec_waiting, rec_frag, rec_tokens = [], [], [], [], []
     rec_kinds: dict[str, list[int]] = {k: [] for k in KINDS}
     maps: list[tuple[int, np.ndarray]] = []
 
@@ -154,6 +150,7 @@ def simulate(
         step = plan.step
         br = scheduler.manager.breakdown()
         rec_steps.append(step)
+        rec_tokens.append(sum(plan.num_tokens))
         rec_running.append(len(scheduler.running))
         rec_waiting.append(len(scheduler.waiting))
         for k in KINDS:
@@ -163,9 +160,11 @@ def simulate(
             kinds = scheduler.manager.slot_kinds()
             if kinds is not None:
                 maps.append((step, kinds[::stride][:map_columns].copy()))
+        if on_step is not None:
+            on_step(plan)
 
     runner = runner or AccountingRunner()
-    runner.on_step = record  # a runner of the caller's (a subclass, say) records this simulation too
+    scheduler.observe = record  # called by the scheduler's update once the step's tokens are in
     step, nxt, clock, step_end = 0, 0, 0.0, []
     while nxt < len(pending) or scheduler.has_work:
         if step_cost is None:
@@ -181,7 +180,7 @@ def simulate(
                 scheduler.add(Sequence(pending[nxt]))
                 nxt += 1
 
-        plan, done = serve_step(scheduler, runner, scheduler.manager, step)
+        plan, done = serve_step(scheduler, runner, step)
         if step_cost is not None:
             clock += step_cost(StepWork.of_plan(plan))
             step_end.append(clock)
@@ -206,6 +205,7 @@ def simulate(
         map_stride=stride,
         finished=scheduler.finished,
         num_preemptions=scheduler.num_preemptions,
+        tokens=np.array(rec_tokens),
         step_end_s=None if step_cost is None else np.array(step_end),
     )
 

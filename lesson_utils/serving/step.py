@@ -2,7 +2,7 @@
 
 The engine runs it with the model runner (:class:`~lesson_utils.serving.model_runner.ModelRunner`: a real
 forward pass), the simulator with the accounting runner
-(:class:`~lesson_utils.serving.simulator.AccountingRunner`: every running sequence "generates" a token). Same
+(:class:`~lesson_utils.serving.simulator.AccountingRunner`: every sequence "computes" what it was given). Same
 scheduler, same memory manager, same decisions: what the simulator measures about memory is what the engine
 does. Lesson 07's exercise writes this function; an engine given ``step_fn=`` runs the learner's instead.
 """
@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from lesson_utils.serving.scheduler import StepPlan
-from lesson_utils.types import MemoryManager, Sequence
+from lesson_utils.serving.output import StepPlan
+from lesson_utils.types import Sequence
 
 
 class StepResult(NamedTuple):
@@ -22,16 +22,14 @@ class StepResult(NamedTuple):
     finished: list[Sequence]
 
 
-def serve_step(scheduler, runner, manager: MemoryManager, step: int) -> StepResult:
-    """THE step:
+def serve_step(scheduler, runner, step: int) -> StepResult:
+    """THE step (vLLM v1's ``EngineCore.step``): the scheduler decides, the runner computes, the scheduler updates.
 
-    1. the scheduler decides who runs (admit, make room, preempt) and returns the :class:`StepPlan`;
-    2. the runner makes the plan's block copies, then runs every scheduled sequence one token further;
-    3. the memory manager registers the blocks just computed (lesson 05's prefix cache);
-    4. the scheduler settles the step: forked samples and chosen beams join, finished sequences leave.
+    1. ``scheduler.schedule(step)`` -> :class:`~lesson_utils.serving.output.StepPlan` (admit, make room, preempt);
+    2. ``runner.execute(plan)`` -> :class:`~lesson_utils.serving.output.RunnerOutput` (block copies, forward pass);
+    3. ``scheduler.update_from_output(plan, output)`` -> the finished sequences (tokens, prefix cache, forks and
+       beams, frees).
     """
     plan = scheduler.schedule(step)
-    runner.execute(plan)
-    for seq in plan.scheduled:
-        manager.cache_computed(seq)
-    return StepResult(plan, scheduler.retire_finished(step))
+    output = runner.execute(plan)
+    return StepResult(plan, scheduler.update_from_output(plan, output))

@@ -1,14 +1,19 @@
-"""Lesson 08: scheduling tokens, not phases - one step's token budget, decodes first, prompt chunks after.
+"""Token policies: which tokens of which sequences run in one step (lesson 08 makes this the scheduler's core).
 
-vLLM v1's scheduler gives each step ``max_num_batched_tokens`` tokens. Running sequences that decode take one
-each, first; what is left goes to prompts, a chunk at a time: sequences still part-way through their prompt,
-then new requests in arrival order. A sequence's *computed* count (its K/V in the cache: ``Sequence.kv_len``)
-catches up with its length chunk by chunk; only the step that computes its last prompt token samples a token.
-A long prompt then no longer makes one step long: its cost moves to its own time to first token.
+The scheduler has one loop (as vLLM v1's): every step a *policy* hands out token ranges (:class:`Chunk`) - a
+decode gets one token, a prompt gets a chunk - and admits waiting requests through the memory manager as it goes.
 
-:func:`budgeted_schedule` is the policy (exercise 08-1); :class:`~lesson_utils.serving.scheduler.FCFSScheduler`
-with ``chunked_prefill=True`` runs it every step and does the rest: admission through the memory manager,
-room for the tokens about to be sampled, preemption.
+* :func:`whole_prompts` - lessons 02-07: every running sequence gets all the tokens it has not computed (one, for
+  a decode), then waiting requests are admitted in arrival order, a whole prompt each, while the optional token
+  budget allows;
+* :func:`budgeted_schedule` - lesson 08's chunked prefill (exercise 08-1): vLLM v1 gives each step
+  ``max_num_batched_tokens`` tokens. Running sequences that decode take one each, first; what is left goes to
+  prompts, a chunk at a time: sequences still part-way through their prompt, then new requests in arrival order.
+  A sequence's *computed* count (``Sequence.kv_len``, vLLM's ``num_computed_tokens``) catches up with its length
+  chunk by chunk; only the step that computes its last prompt token samples a token. A long prompt then no longer
+  makes one step long: its cost moves to its own time to first token.
+
+:class:`ChunkedPrefill` is how an engine turns the second on: ``Engine(..., chunked_prefill=ChunkedPrefill(128))``.
 """
 
 from __future__ import annotations
@@ -33,6 +38,26 @@ class Chunk:
     seq_id: int
     start: int
     end: int
+
+
+def whole_prompts(
+    running: list[TokenState], waiting: list[TokenState], budget: int | None, admit: Callable[[int], int | None]
+) -> list[Chunk]:
+    """Every running sequence's uncomputed tokens (a decode: one), then whole prompts of waiting sequences in arrival
+    order while ``admit`` finds room and the budget (None: no limit) has room; a prompt over what is left of the
+    budget goes first next step, unless nothing else runs (a prompt larger than the budget must still run)."""
+    chunks = [Chunk(s.seq_id, s.computed, s.length) for s in running]
+    left = None if budget is None else budget - sum(s.length - s.computed for s in running)
+    for s in waiting:
+        if left is not None and s.length - s.computed > left and chunks:
+            break
+        computed = admit(s.seq_id)
+        if computed is None:
+            break
+        chunks.append(Chunk(s.seq_id, computed, s.length))
+        if left is not None:
+            left -= s.length - computed  # prefix-cache hits are not fed
+    return chunks
 
 
 def budgeted_schedule(
@@ -70,3 +95,20 @@ def budgeted_schedule(
         chunks.append(Chunk(s.seq_id, computed, computed + n))
         left -= n
     return chunks
+
+
+@dataclass(frozen=True)
+class ChunkedPrefill:
+    """Chunked prefill for an engine or scheduler: ``budget`` tokens per step (vLLM's ``max_num_batched_tokens``),
+    handed out by ``plan_fn`` (:func:`budgeted_schedule`, or a learner's version of it)."""
+
+    budget: int
+    plan_fn: Callable = budgeted_schedule
+
+    def __post_init__(self):
+        if isinstance(self.budget, bool) or not isinstance(self.budget, int) or self.budget < 1:
+            raise ValueError(f"the token budget of chunked prefill must be a positive int, got {self.budget!r}")
+        if not callable(self.plan_fn):
+            raise TypeError(
+                f"plan_fn must be a function (running, waiting, budget, admit) -> chunks, got {self.plan_fn!r}"
+            )
