@@ -11,11 +11,12 @@ in that order, and ``group.scores[i]`` is the summed log-probability of ``group.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import Callable
 
 import torch
 
-from lesson_utils.types import Sequence
+from lesson_utils.types import Sequence, SequenceStatus
 
 
 @dataclass(eq=False)
@@ -40,3 +41,39 @@ class BeamGroup:
     def saving(self) -> float:
         """Share of the beams' blocks that sharing saved, over the whole search."""
         return 1 - self.physical_blocks / self.logical_blocks if self.logical_blocks else 0.0
+
+    def advance(self, rows: list[torch.Tensor], step: int, manager, new_seq_id: Callable[[], int]) -> None:
+        """Keep the ``width`` best continuations: a beam chosen twice forks (``manager.fork``: blocks shared), a
+        beam not chosen is freed and dropped; every kept beam gets its chosen token. ``rows[i]`` is beam ``i``'s
+        logits row this step."""
+        used: set[int] = set()
+        beams = []
+        for index, token, score in self.choose(rows):  # forks first: a fork copies its parent before it grows
+            parent = self.beams[index]
+            if index in used:
+                child = Sequence(
+                    replace(parent.request, req_id=new_seq_id()),
+                    num_generated=parent.num_generated,
+                    admitted_step=parent.admitted_step,
+                    first_token_step=parent.first_token_step,
+                    output_ids=list(parent.output_ids),
+                    token_steps=list(parent.token_steps),
+                    kv_len=parent.kv_len,
+                    beam=self,
+                    status=SequenceStatus.RUNNING,
+                )
+                manager.fork(parent.seq_id, child.seq_id)
+                beams.append((child, token, score))
+            else:
+                used.add(index)
+                beams.append((parent, token, score))
+        for index, seq in enumerate(self.beams):
+            if index not in used:
+                manager.free(seq)
+                seq.status = SequenceStatus.DROPPED
+        for seq, token, _ in beams:
+            seq.append_token(token, step)
+        self.beams, self.scores = [b for b, _, _ in beams], [sc for _, _, sc in beams]
+        logical, physical = manager.sharing()
+        self.logical_blocks += logical
+        self.physical_blocks += physical

@@ -14,15 +14,15 @@ are computed (vLLM's ``num_computed_tokens``).
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import replace
 from typing import Callable
 
 import torch
 
 from lesson_utils.serving import sampling
+from lesson_utils.serving.forks import fork_samples
 from lesson_utils.serving.output import RunnerOutput, StepPlan
 from lesson_utils.serving.preemption import PreemptionEvent, most_recently_admitted, reset_for_recompute
-from lesson_utils.serving.token_budget import Chunk, ChunkedPrefill, TokenState, whole_prompts
+from lesson_utils.serving.token_budget import ChunkedPrefill, TokenState, check_chunks, whole_prompts
 from lesson_utils.types import MemoryManager, OutOfBlocks, Sequence, SequenceStatus
 
 
@@ -185,7 +185,9 @@ class FCFSScheduler:
         queue = [] if self.swapped else [TokenState(s.seq_id, s.kv_len, s.len) for s in self.waiting]
         try:  # (swapped sequences come back before anyone new is admitted)
             chunks = self.plan_fn(state, queue, self.max_num_batched_tokens, admit)
-            seqs = self._check_chunks(chunks)
+            name = getattr(self.plan_fn, "__name__", type(self.plan_fn).__name__)
+            budget = self.max_num_batched_tokens if self.chunked else None  # whole prompts may pass a budget alone
+            seqs = check_chunks(chunks, self.running, [s.seq_id for s in self.waiting], budget, name)
         except BaseException:  # a refused (or crashing) plan leaves the scheduler as it found it
             self._undo_admissions(admitted, saved)
             raise
@@ -194,12 +196,13 @@ class FCFSScheduler:
                 "nothing is running and the head request still does not fit: the cache is too small for it even when empty"
             )
         preempted = self._make_room([s for s, c in zip(seqs, chunks) if c.end == s.len], {})  # {gpu: cpu} swap-outs
-        kept = [(s, c) for s, c in zip(seqs, chunks) if any(r is s for r in self.running)]
+        running = {id(r) for r in self.running}
+        kept = [(s, c) for s, c in zip(seqs, chunks) if id(s) in running]
         return StepPlan(
             step,
             [s for s, _ in kept],
             [c.end - c.start for _, c in kept],
-            [s for s in admitted if any(r is s for r in self.running)],
+            [s for s in admitted if id(s) in running],
             preempted,
             swap_in,
             swap_out,
@@ -236,49 +239,6 @@ class FCFSScheduler:
             self.running = [s for s in self.running if s is not seq]
             self.waiting.appendleft(seq)
         admitted.clear()
-
-    def _check_chunks(self, chunks) -> list[Sequence]:
-        """The running sequence of every chunk, or a clear error (naming the plan function) for a plan the engine
-        cannot run: the wrong type, a chunk for a sequence that is not running, a range that is not the next one."""
-        name = getattr(self.plan_fn, "__name__", type(self.plan_fn).__name__)
-        if not isinstance(chunks, (list, tuple)):
-            raise TypeError(
-                f"the plan function {name} must return a list of Chunk(seq_id, start, end), got {type(chunks).__name__}"
-            )
-        by_id = {s.seq_id: s for s in self.running}
-        waiting = {s.seq_id for s in self.waiting}
-        seqs, total, seen = [], 0, set()
-        for i, c in enumerate(chunks):
-            if not isinstance(c, Chunk):
-                raise TypeError(
-                    f"the plan function {name} returned {type(c).__name__} {c!r} as item {i}: each item is a "
-                    "Chunk(seq_id, start, end) (lesson_utils.serving.token_budget.Chunk)"
-                )
-            if any(isinstance(v, bool) or not isinstance(v, int) for v in (c.seq_id, c.start, c.end)):
-                raise TypeError(f"chunk {c} from {name}: seq_id, start and end are ints")
-            if c.seq_id in seen:
-                raise ValueError(f"chunk {c} from {name}: sequence {c.seq_id} has two chunks in one step")
-            seen.add(c.seq_id)
-            seq = by_id.get(c.seq_id)
-            if seq is None:
-                if c.seq_id in waiting:
-                    raise ValueError(
-                        f"chunk {c} from {name}: sequence {c.seq_id} is waiting, not running - it gets a chunk only "
-                        f"after admit({c.seq_id}) returned a number"
-                    )
-                raise ValueError(f"chunk {c} from {name}: no sequence {c.seq_id} is running or waiting here")
-            if not (c.start == seq.kv_len and c.start < c.end <= seq.len):
-                raise ValueError(
-                    f"chunk {c} from {name}: sequence {c.seq_id} has {seq.kv_len} of {seq.len} tokens computed, so "
-                    f"its chunk runs from {seq.kv_len} to at most {seq.len}"
-                )
-            seqs.append(seq)
-            total += c.end - c.start
-        if self.chunked is not None and total > self.max_num_batched_tokens:
-            raise ValueError(
-                f"the chunks from {name} hold {total} tokens, over the budget of {self.max_num_batched_tokens}"
-            )
-        return seqs
 
     def _make_room(self, samplers: list[Sequence], moved: dict[int, int]) -> list[Sequence]:
         """A slot for the token each of ``samplers`` is about to get, preempting while memory is short; returns
@@ -355,7 +315,11 @@ class FCFSScheduler:
             seq.kv_len += n
         due = [plan.scheduled[i] for i in output.sampling]
         tokens = [None] * len(due) if output.logits is None else sampling.next_tokens(due, output.logits)
-        rows = {id(s): (None if output.logits is None else output.logits[j]) for j, s in enumerate(due)}
+        rows = {  # the logits rows the scheduler still needs: fork parents' and beams' (None: a simulation)
+            id(s): (None if output.logits is None else output.logits[j])
+            for j, s in enumerate(due)
+            if s.pending_forks or s.beam is not None
+        }
         for seq, token in zip(due, tokens):
             if seq.beam is None:
                 seq.append_token(token, plan.step)
@@ -367,7 +331,9 @@ class FCFSScheduler:
             self._fork_samples(seq, rows[id(seq)])
         for group in list({id(s.beam): s.beam for s in self.running if s.beam is not None}.values()):
             if all(id(b) in rows for b in group.beams):
-                self._advance_beams(group, [rows[id(b)] for b in group.beams], plan.step)
+                group.advance([rows[id(b)] for b in group.beams], plan.step, self.manager, self.new_seq_id)
+                # the group's beams run next step in the order chosen, after everyone else
+                self.running = [s for s in self.running if s.beam is not group] + group.beams
         done = [s for s in self.running if s.is_finished]
         for seq in done:
             self.manager.free(seq)
@@ -380,63 +346,6 @@ class FCFSScheduler:
         return done
 
     def _fork_samples(self, parent: Sequence, logits: torch.Tensor | None) -> None:
-        """After the parent's prefill: n - 1 siblings share its blocks and draw their own first token from its logits
-        (each with its own generator: seeded from the parent's, so a seed repeats on any device)."""
-        for i in range(parent.pending_forks):
-            child = Sequence(
-                replace(parent.request, req_id=self.new_seq_id()),
-                num_generated=parent.num_generated - 1,
-                admitted_step=parent.admitted_step,
-                output_ids=list(parent.output_ids[:-1]),
-                token_steps=list(parent.token_steps[:-1]),
-                eos_token_id=parent.eos_token_id,
-                kv_len=parent.kv_len,
-                temperature=parent.temperature,
-                added_at=parent.added_at,
-                status=SequenceStatus.RUNNING,
-            )
-            if parent.temperature > 0:
-                child.generator = torch.Generator().manual_seed(int(parent.generator.initial_seed()) + 1000 * (i + 1))
-            self.manager.fork(parent.seq_id, child.seq_id)
-            token = None if logits is None else sampling.sample(child, logits)
-            child.append_token(token, parent.first_token_step)
-            parent.samples.append(child)
-            self.running.append(child)
-        parent.pending_forks = 0
-
-    def _advance_beams(self, group, rows: list[torch.Tensor], step: int) -> None:
-        """Keep the group's ``width`` best continuations (see :mod:`lesson_utils.serving.beam_search`)."""
-        chosen = group.choose(rows)
-        used: set[int] = set()
-        beams = []
-        for index, token, score in chosen:  # forks first: a fork copies its parent before it grows
-            parent = group.beams[index]
-            if index in used:
-                child = Sequence(
-                    replace(parent.request, req_id=self.new_seq_id()),
-                    num_generated=parent.num_generated,
-                    admitted_step=parent.admitted_step,
-                    first_token_step=parent.first_token_step,
-                    output_ids=list(parent.output_ids),
-                    token_steps=list(parent.token_steps),
-                    kv_len=parent.kv_len,
-                    beam=group,
-                    status=SequenceStatus.RUNNING,
-                )
-                self.manager.fork(parent.seq_id, child.seq_id)
-                beams.append((child, token, score))
-            else:
-                used.add(index)
-                beams.append((parent, token, score))
-        for index, seq in enumerate(group.beams):
-            if index not in used:
-                self.manager.free(seq)
-                seq.status = SequenceStatus.DROPPED
-        for seq, token, _ in beams:
-            seq.append_token(token, step)
-        group.beams, group.scores = [b for b, _, _ in beams], [sc for _, _, sc in beams]
-        logical, physical = self.manager.sharing()
-        group.logical_blocks += logical
-        group.physical_blocks += physical
-        # the group's beams run next step in the order chosen, after everyone else
-        self.running = [s for s in self.running if s.beam is not group] + group.beams
+        """Parallel sampling, after the parent's prefill: its n - 1 siblings join the running batch."""
+        children = fork_samples(parent, logits, self.manager, self.new_seq_id)
+        self.running += children

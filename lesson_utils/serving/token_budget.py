@@ -112,3 +112,45 @@ class ChunkedPrefill:
             raise TypeError(
                 f"plan_fn must be a function (running, waiting, budget, admit) -> chunks, got {self.plan_fn!r}"
             )
+
+
+def check_chunks(chunks, running: list, waiting_ids: list[int], budget: int | None, name: str) -> list:
+    """The running sequence of every chunk of a plan, or a clear error naming the plan function ``name`` for a plan
+    the engine cannot run: not a list of :class:`Chunk`, a chunk for a sequence that is not running (or does not
+    exist), two chunks for one sequence, a range that is not the next one, more tokens than ``budget``."""
+    if not isinstance(chunks, (list, tuple)):
+        raise TypeError(
+            f"the plan function {name} must return a list of Chunk(seq_id, start, end), got {type(chunks).__name__}"
+        )
+    by_id = {s.seq_id: s for s in running}
+    waiting = set(waiting_ids)
+    seqs, total, seen = [], 0, set()
+    for i, c in enumerate(chunks):
+        if not isinstance(c, Chunk):
+            raise TypeError(
+                f"the plan function {name} returned {type(c).__name__} {c!r} as item {i}: each item is a "
+                "Chunk(seq_id, start, end) (lesson_utils.serving.token_budget.Chunk)"
+            )
+        if any(isinstance(v, bool) or not isinstance(v, int) for v in (c.seq_id, c.start, c.end)):
+            raise TypeError(f"chunk {c} from {name}: seq_id, start and end are ints")
+        if c.seq_id in seen:
+            raise ValueError(f"chunk {c} from {name}: sequence {c.seq_id} has two chunks in one step")
+        seen.add(c.seq_id)
+        seq = by_id.get(c.seq_id)
+        if seq is None:
+            if c.seq_id in waiting:
+                raise ValueError(
+                    f"chunk {c} from {name}: sequence {c.seq_id} is waiting, not running - it gets a chunk only "
+                    f"after admit({c.seq_id}) returned a number"
+                )
+            raise ValueError(f"chunk {c} from {name}: no sequence {c.seq_id} is running or waiting here")
+        if not (c.start == seq.kv_len and c.start < c.end <= seq.len):
+            raise ValueError(
+                f"chunk {c} from {name}: sequence {c.seq_id} has {seq.kv_len} of {seq.len} tokens computed, so "
+                f"its chunk runs from {seq.kv_len} to at most {seq.len}"
+            )
+        seqs.append(seq)
+        total += c.end - c.start
+    if budget is not None and total > budget:
+        raise ValueError(f"the chunks from {name} hold {total} tokens, over the budget of {budget}")
+    return seqs
