@@ -2,6 +2,8 @@
 
 * ``types`` imports nothing of the course; ``memory/`` stands on ``types`` only;
 * ``serving/`` never imports ``memory/``: it reaches a memory manager through the ``MemoryManager`` protocol;
+* nothing outside ``memory/`` reaches into a manager: no ``.allocator`` of another object, no write to another
+  object's ``.tables`` - the block manager is the only door to blocks (an AST check);
 * nothing in ``lesson_utils`` imports the tooling (``course_tools``) or the notebook machinery (nbformat,
   nbclient, ipykernel): Colab installs the runtime package alone.
 """
@@ -97,6 +99,57 @@ def test_the_import_graph_has_no_cycle():
             visit(m, [m])
 
 
+MUTATING = {"pop", "popitem", "clear", "update", "setdefault"}
+
+
+def _other_objects(node: ast.AST, attr: str) -> bool:
+    """``X.<attr>`` where X is not ``self`` (a class may keep its own allocator or tables)."""
+    return (
+        isinstance(node, ast.Attribute)
+        and node.attr == attr
+        and not (isinstance(node.value, ast.Name) and node.value.id == "self")
+    )
+
+
+def manager_internals_reached(source: str, where: str = "<source>") -> list[str]:
+    """Every place in ``source`` that reaches into a memory manager: any ``X.allocator``, and any write to
+    ``X.tables`` (an item assigned or deleted, or a mutating call on it)."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if _other_objects(node, "allocator"):
+            found.append(f"{where}:{node.lineno}: reads .allocator")
+        targets = []
+        if isinstance(node, ast.Assign):
+            targets = node.targets
+        elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+            targets = [node.target]
+        elif isinstance(node, ast.Delete):
+            targets = node.targets
+        for t in targets:
+            if isinstance(t, ast.Subscript) and _other_objects(t.value, "tables"):
+                found.append(f"{where}:{node.lineno}: writes .tables[...]")
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in MUTATING:
+            if _other_objects(node.func.value, "tables"):
+                found.append(f"{where}:{node.lineno}: calls .tables.{node.func.attr}()")
+    return found
+
+
+def test_only_the_memory_layer_touches_tables_and_allocators():
+    bad = []
+    for m, p in MODULES.items():
+        if layer_of(m) != "memory":
+            bad += manager_internals_reached(p.read_text(), m)
+    assert bad == [], "the block manager is the only door to blocks:\n" + "\n".join(bad)
+
+
+def test_the_door_rule_can_fail():
+    assert manager_internals_reached("manager.allocator.allocate()") != []
+    assert manager_internals_reached("m.tables[seq_id] = table") != []
+    assert manager_internals_reached("table = m.tables.pop(seq_id)") != []
+    assert manager_internals_reached("del m.tables[5]") != []
+    assert manager_internals_reached("self.allocator.free(b); x = m.tables[3].blocks; m.tables.get(2)") == []
+
+
 def test_the_runtime_package_needs_no_tooling():
     for m, p in MODULES.items():
         bad = {i for i in imports_of(p) if i.split(".")[0] in ("course_tools", "nbformat", "nbclient", "ipykernel")}
@@ -104,14 +157,19 @@ def test_the_runtime_package_needs_no_tooling():
 
 
 def test_the_public_import_paths_hold():
-    """COURSE.md's interfaces other code relies on, whatever the layout inside."""
+    """The public import paths notebooks, checkers and instructors rely on, whatever the layout inside: the kernels'
+    entry points, a checker module with check_ functions for every lesson, and the run_all tool."""
     import importlib
 
     from lesson_utils import kernels
 
     assert callable(kernels.paged_attention_decode) and callable(kernels.write_kv_to_cache)
-    for n in range(9):
-        assert hasattr(importlib.import_module(f"lesson_utils.checks.lesson{n:02d}"), "__doc__")
+    lessons = sorted(int(p.name[:2]) for p in (ROOT / "solutions").glob("[0-9][0-9]_*.ipynb"))
+    for n in lessons:
+        checks = importlib.import_module(f"lesson_utils.checks.lesson{n:02d}")
+        assert [f for f in dir(checks) if f.startswith("check_")], (
+            f"lesson {n:02d}'s checker module has no check_ function"
+        )
     assert importlib.util.find_spec("course_tools.run_all") is not None  # the README names it as run_all's successor
 
 

@@ -6,8 +6,9 @@ import pytest
 import torch
 from helpers import rejected
 
+from lesson_utils.cache.block_copy import pack_blocks, unpack_blocks
 from lesson_utils.checks import lesson09
-from lesson_utils.disagg.transfer import TransferPlan, pack_blocks, transfer_plan, unpack_blocks
+from lesson_utils.disagg.transfer import TransferPlan, transfer_plan
 from lesson_utils.memory.block_table import BlockTable
 from lesson_utils.types import OutOfBlocks
 

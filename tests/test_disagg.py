@@ -18,7 +18,8 @@ import torch
 from helpers import hf_greedy
 
 from lesson_utils.cache.attention import gather_kv
-from lesson_utils.disagg.transfer import pack_blocks, transfer_plan, unpack_blocks
+from lesson_utils.cache.block_copy import pack_blocks, unpack_blocks
+from lesson_utils.disagg.transfer import transfer_plan
 from lesson_utils.disagg.workers import DisaggConfig, DisaggError, run_disaggregated
 from lesson_utils.memory.block_manager import BlockManager
 from lesson_utils.memory.block_table import blocks_needed

@@ -6,9 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from lesson_utils.cache.block_copy import pack_blocks, unpack_blocks
 from lesson_utils.cache.paged import PagedKVCache
 from lesson_utils.disagg import handover
-from lesson_utils.disagg.transfer import pack_blocks, transfer_plan, unpack_blocks
+from lesson_utils.disagg.transfer import transfer_plan
 from lesson_utils.disagg.workers import check_requests
 from lesson_utils.memory.block_manager import BlockManager
 from lesson_utils.memory.sharing import SharingBlockManager

@@ -25,6 +25,7 @@ from typing import Callable
 import torch
 
 from lesson_utils.cache.attention import decode_attention, decode_slot_index, fused_attention_over_context, gather_kv
+from lesson_utils.cache.block_copy import pack_blocks, unpack_blocks
 from lesson_utils.cache.seam import AttentionMetadata, StepBatch, mark_decodes
 from lesson_utils.device_discipline import acts_as_gpu
 from lesson_utils.memory.block_manager import BlockManager
@@ -111,21 +112,17 @@ class PagedKVCache:
         )
 
     # A swap moves all its blocks, K and V of every layer, in ONE host-device copy through a pinned staging
-    # buffer: gather on the device, one asynchronous copy, scatter on the other side. Per layer (or per block)
-    # copies through pageable memory would each wait for the GPU and pay PCIe's fixed cost again.
-    def _gather_blocks(self, gpu: torch.Tensor) -> torch.Tensor:
-        """``[2, layers, len(gpu), block_size, kv_heads, head_dim]``: the blocks ``gpu`` of every layer's K and V."""
-        return torch.stack([torch.stack([c[gpu] for c in self.k_cache]), torch.stack([c[gpu] for c in self.v_cache])])
-
+    # buffer: gather on the device (pack_blocks, lesson 09's packing too), one asynchronous copy, scatter on the
+    # other side. Per layer (or per block) copies through pageable memory would each wait for the GPU and pay
+    # PCIe's fixed cost again.
     def swap_out(self, copies: list[tuple[int, int]], space) -> None:
         """Copy ``(gpu, cpu)`` blocks into the swap space's CPU tensors (lesson 06): one device-to-host copy
         and one wait for it (the host must not read the staging buffer before the data has landed)."""
         if not copies:
             return
         device = self.k_cache[0].device
-        gpu = torch.tensor([g for g, _ in copies], device=device)
         cpu = torch.tensor([c for _, c in copies])  # host index into the host swap space
-        gathered = self._gather_blocks(gpu)
+        gathered = pack_blocks(self.k_cache, self.v_cache, [g for g, _ in copies])
         staging = torch.empty(gathered.shape, dtype=gathered.dtype, pin_memory=gathered.is_cuda)
         staging.copy_(gathered, non_blocking=True)
         if gathered.is_cuda:
@@ -139,17 +136,13 @@ class PagedKVCache:
             return
         device = self.k_cache[0].device
         cpu = torch.tensor([c for c, _ in copies])
-        gpu = torch.tensor([g for _, g in copies], device=device)
         staging = torch.empty(
             (2, len(self.k_cache), len(copies)) + tuple(space.kv.shape[3:]),
             dtype=space.kv.dtype,
             pin_memory=space.kv.is_pinned(),
         )
         torch.index_select(space.kv, 2, cpu, out=staging)
-        blocks = staging.to(device, non_blocking=True)
-        for layer, (kc, vc) in enumerate(zip(self.k_cache, self.v_cache)):
-            kc[gpu] = blocks[0, layer]
-            vc[gpu] = blocks[1, layer]
+        unpack_blocks(staging.to(device, non_blocking=True), self.k_cache, self.v_cache, [g for _, g in copies])
 
     def copy_block(self, src: int, dst: int) -> None:
         """Copy one block's K/V in every layer (copy-on-write's data movement)."""

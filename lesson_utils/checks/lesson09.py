@@ -6,7 +6,8 @@ import copy
 
 import torch
 
-from lesson_utils.disagg.transfer import TransferPlan, pack_blocks, transfer_plan, unpack_blocks
+from lesson_utils.cache.block_copy import pack_blocks, unpack_blocks
+from lesson_utils.disagg.transfer import TransferPlan, transfer_plan
 from lesson_utils.memory.block_manager import BlockManager
 from lesson_utils.memory.block_table import BlockTable
 from lesson_utils.types import OutOfBlocks
@@ -324,7 +325,7 @@ def check_adopt(fn) -> CheckResult:
     """Exercise 09-3: the decode worker's block table for blocks it received."""
     name = "adopt"
     m = _manager()
-    blocks = [m.allocator.allocate() for _ in range(3)][::-1]
+    blocks = [m.allocate_block() for _ in range(3)][::-1]
     given = list(blocks)
     got, problem = _run(fn, name, _reference_adopt, "adopting 3 blocks holding 10 tokens", m, 7, given, 10)
     if problem is not None:
@@ -358,24 +359,24 @@ def check_adopt(fn) -> CheckResult:
         return failed(name, f"the manager's invariants broke: {err}", _reference_adopt)
     other = m.tables[100].blocks[1]  # a block the other request holds
     refusals = [
-        ("adopting sequence 7 again", lambda mm: (mm, 7, [mm.allocator.allocate()], 2)),
-        ("3 blocks for 2 tokens", lambda mm: (mm, 8, [mm.allocator.allocate() for _ in range(3)], 2)),
-        ("a free block (the second of two)", lambda mm: (mm, 9, [mm.allocator.allocate(), _free_block(mm)], 5)),
-        ("a block another request holds (the second of two)", lambda mm: (mm, 10, [mm.allocator.allocate(), other], 5)),
-        ("the same block twice", lambda mm: (mm, 11, [b := mm.allocator.allocate(), b], 5)),
+        ("adopting sequence 7 again", lambda mm: (mm, 7, [mm.allocate_block()], 2)),
+        ("3 blocks for 2 tokens", lambda mm: (mm, 8, [mm.allocate_block() for _ in range(3)], 2)),
+        ("a free block (the second of two)", lambda mm: (mm, 9, [mm.allocate_block(), _free_block(mm)], 5)),
+        ("a block another request holds (the second of two)", lambda mm: (mm, 10, [mm.allocate_block(), other], 5)),
+        ("the same block twice", lambda mm: (mm, 11, [b := mm.allocate_block(), b], 5)),
         ("0 tokens in no blocks", lambda mm: (mm, 12, [], 0)),
-        ("-4 tokens", lambda mm: (mm, 13, [mm.allocator.allocate()], -4)),
+        ("-4 tokens", lambda mm: (mm, 13, [mm.allocate_block()], -4)),
     ]
     for what, make in refusals:
         mm = copy.deepcopy(m)
         args = make(mm)
-        before = ({s: (list(t.blocks), t.num_tokens) for s, t in mm.tables.items()}, mm.allocator.num_free)
+        before = ({s: (list(t.blocks), t.num_tokens) for s, t in mm.tables.items()}, mm.num_free_blocks)
         try:
             fn(*args)
         except NotImplementedError:
             return not_implemented(name, _reference_adopt)
         except ValueError:
-            after = ({s: (list(t.blocks), t.num_tokens) for s, t in mm.tables.items()}, mm.allocator.num_free)
+            after = ({s: (list(t.blocks), t.num_tokens) for s, t in mm.tables.items()}, mm.num_free_blocks)
             if after != before:
                 return failed(
                     name,
@@ -394,4 +395,4 @@ def check_adopt(fn) -> CheckResult:
 
 
 def _free_block(m) -> int:
-    return next(b for b in range(m.num_blocks) if m.allocator.is_free(b))
+    return next(b for b in range(m.num_blocks) if m.block_is_free(b))

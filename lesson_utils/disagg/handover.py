@@ -20,7 +20,8 @@ from typing import Callable
 
 import torch
 
-from lesson_utils.disagg.transfer import pack_blocks, transfer_plan, unpack_blocks
+from lesson_utils.cache.block_copy import pack_blocks, unpack_blocks
+from lesson_utils.disagg.transfer import transfer_plan
 from lesson_utils.memory.block_table import blocks_needed
 from lesson_utils.serving import sampling
 from lesson_utils.types import Request, Sequence

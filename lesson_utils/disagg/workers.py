@@ -78,8 +78,8 @@ def _setup(cfg: DisaggConfig, rank: int):
 def prefill_worker(rank: int, cfg: DisaggConfig, requests: list[tuple], results) -> None:
     """Prefill each ``(req_id, prompt_ids, max_new_tokens[, arrival_s])`` once it has arrived (seconds after both
     workers are ready), send its blocks to the decode worker, free them."""
+    from lesson_utils.cache.block_copy import pack_blocks
     from lesson_utils.disagg.handover import prefill_request
-    from lesson_utils.disagg.transfer import pack_blocks
     from lesson_utils.serving.model_runner import ModelRunner
     from lesson_utils.types import Request
 

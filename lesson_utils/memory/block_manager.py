@@ -145,11 +145,22 @@ class BlockManager:
 
     def free_seq(self, seq_id: int) -> None:
         """Give back every block of ``seq_id``'s table (one reference each, where blocks are shared)."""
+        self.detach(seq_id)
+
+    def detach(self, seq_id: int) -> BlockTable:
+        """Take ``seq_id``'s table out of the manager and give its blocks back (finished, aborted, or swapped out:
+        lesson 06 keeps the returned table's ids to copy the blocks out before anyone writes them again)."""
         table = self.tables.pop(seq_id, None)
         if table is None:
             raise ValueError(f"sequence {seq_id} holds no blocks (already freed, or never admitted)")
         self.forget_prefix(seq_id)
-        for block_id in self._release_order(table.blocks):
+        self._free_blocks(self._release_order(table.blocks))
+        return table
+
+    def _free_blocks(self, ordered_blocks) -> None:
+        """THE way blocks go back (vLLM's ``BlockPool.free_blocks``): one reference each, in the order the caller
+        states - the order decides which blocks a later allocation reuses first."""
+        for block_id in ordered_blocks:
             self.allocator.free(block_id)
 
     def _release_order(self, blocks: list[int]):
@@ -165,7 +176,21 @@ class BlockManager:
         holder = self._holder_of(block_id)
         if holder is not None:
             raise ValueError(f"block {block_id} belongs to sequence {holder}: free the sequence, not its block")
-        self.allocator.free(block_id)
+        self._free_blocks([block_id])
+
+    def share_block(self, block_id: int) -> None:
+        """One more table will hold ``block_id`` (lesson 05's managers count references; this one shares nothing)."""
+        raise ValueError("this block manager shares nothing: use lesson 05's SharingBlockManager")
+
+    def attach(self, seq_id: int, blocks: list[int], num_tokens: int) -> BlockTable:
+        """Lesson 06, swap-in: give ``seq_id`` back a table of ``blocks``, each already taken for it
+        (:meth:`allocate_block`, or :meth:`share_block` for a block another returning sequence shares)."""
+        if seq_id in self.tables:
+            raise ValueError(f"sequence {seq_id} already holds blocks")
+        if len(blocks) != blocks_needed(num_tokens, self.block_size) or any(self.allocator.is_free(b) for b in blocks):
+            raise ValueError(f"sequence {seq_id}: {len(blocks)} blocks taken for {num_tokens} tokens do not fit")
+        table = self.tables[seq_id] = BlockTable(self.block_size, list(blocks), num_tokens)
+        return table
 
     def _holder_of(self, block_id: int) -> int | None:
         return next((sid for sid, t in self.tables.items() if block_id in t.blocks), None)

@@ -185,6 +185,9 @@ class SharingBlockManager(BlockManager):
             hashes.append(h)
             self.pool.cache(table.blocks[i], h, chunk)
 
+    def share_block(self, block_id: int) -> None:
+        self.pool.incref(block_id)
+
     def _release_order(self, blocks: list[int]):
         return reversed(blocks)  # tail blocks first: the free queue evicts them first, keeping shared prefixes
 

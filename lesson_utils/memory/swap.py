@@ -54,8 +54,6 @@ class SwapSpace:
             self.pool.allocate()  # a zero-block swap space: its only block is never available
         self.cpu_tables: dict[int, BlockTable] = {}
         self.kv: torch.Tensor | None = None  # [2 (K, V), layers, num_blocks, block_size, kv_heads, head_dim]
-        self.k: list[torch.Tensor] = []  # per-layer views of kv[0] and kv[1]
-        self.v: list[torch.Tensor] = []
         self._mapping = mapping_fn
         self.blocks_out = self.blocks_in = 0
 
@@ -66,7 +64,6 @@ class SwapSpace:
         pin = like_k[0].is_cuda
         shape = (2, len(like_k), self.num_blocks) + tuple(like_k[0].shape[1:])
         self.kv = torch.zeros(shape, dtype=like_k[0].dtype, pin_memory=pin)
-        self.k, self.v = list(self.kv[0]), list(self.kv[1])
 
     @property
     def num_free(self) -> int:
@@ -76,18 +73,17 @@ class SwapSpace:
         return len({b for b in gpu_blocks if b not in already})
 
     def can_swap_out(self, manager, seq_id: int, already: dict[int, int]) -> bool:
-        return self.distinct_new_blocks(manager.tables[seq_id].blocks, already) <= self.num_free
+        return self.distinct_new_blocks(manager.block_table(seq_id), already) <= self.num_free
 
     def swap_out(self, manager, seq_id: int, already: dict[int, int]) -> list[tuple[int, int]]:
-        """Move a sequence's table to the CPU; returns the (gpu, cpu) copies to make. GPU blocks are released
-        (a block still held by another sequence stays on the GPU for it)."""
-        table = manager.tables.pop(seq_id)
-        manager.forget_prefix(seq_id)
-        fresh = len(already)
-        cpu_blocks, copies = self._mapping(table.blocks, self.pool.allocate, already)
+        """Move a sequence's table to the CPU; returns the (gpu, cpu) copies to make. Its GPU blocks go back
+        through the manager (``detach``: a block still held by another sequence stays on the GPU for it)."""
         # a block the victim copied-on-write this step is filled only in the forward, after the swap copies:
         # copy its contents from the copy's source (still held by another table) instead
         pending = {dst: src for src, dst in manager.pending_copies()}
+        table = manager.detach(seq_id)
+        fresh = len(already)
+        cpu_blocks, copies = self._mapping(table.blocks, self.pool.allocate, already)
         copies = [(pending.get(gpu, gpu), cpu) for gpu, cpu in copies]
         # every CPU block gets one reference per table holding it (new ones were allocated with count 1)
         counted: set[int] = {cpu for _, cpu in copies}
@@ -96,8 +92,6 @@ class SwapSpace:
                 counted.discard(cpu)
             else:
                 self.pool.incref(cpu)
-        for gpu in reversed(table.blocks):
-            manager.allocator.free(gpu)
         self.cpu_tables[seq_id] = BlockTable(table.block_size, cpu_blocks, table.num_tokens)
         self.blocks_out += len(already) - fresh
         return copies
@@ -111,21 +105,21 @@ class SwapSpace:
 
     def can_swap_in(self, manager, seq_id: int, watermark_blocks: int = 0) -> bool:
         need = len(set(self.cpu_tables[seq_id].blocks))
-        return need + watermark_blocks <= manager.allocator.num_free
+        return need + watermark_blocks <= manager.num_free_blocks
 
     def swap_in(self, manager, seq_id: int, already: dict[int, int]) -> list[tuple[int, int]]:
         """Bring a swapped sequence back into free GPU blocks; returns the (cpu, gpu) copies to make."""
         cpu_table = self.cpu_tables.pop(seq_id)
         fresh = len(already)
-        gpu_blocks, copies = self._mapping(cpu_table.blocks, manager.allocator.allocate, already)
+        gpu_blocks, copies = self._mapping(cpu_table.blocks, manager.allocate_block, already)
         counted: set[int] = {gpu for _, gpu in copies}
         for gpu in gpu_blocks:
             if gpu in counted:
                 counted.discard(gpu)
             else:
-                manager.allocator.incref(gpu)
+                manager.share_block(gpu)  # another returning sequence brought it back this step
         for cpu in cpu_table.blocks:
             self.pool.decref(cpu)
-        manager.tables[seq_id] = BlockTable(cpu_table.block_size, gpu_blocks, cpu_table.num_tokens)
+        manager.attach(seq_id, gpu_blocks, cpu_table.num_tokens)
         self.blocks_in += len(already) - fresh
         return copies

@@ -115,7 +115,7 @@ class Engine:
     stats: list[StepStats] = field(default_factory=list)
 
     def __post_init__(self):
-        if self.swap_space is not None and not self.swap_space.k:
+        if self.swap_space is not None and self.swap_space.kv is None:
             self.swap_space.attach_tensors(self.cache.k_cache)
         self.scheduler = FCFSScheduler(
             self.cache.manager,
