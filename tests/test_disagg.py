@@ -20,7 +20,7 @@ from helpers import hf_greedy
 from lesson_utils.cache.attention import gather_kv
 from lesson_utils.cache.block_copy import pack_blocks, unpack_blocks
 from lesson_utils.disagg.transfer import transfer_plan
-from lesson_utils.disagg.workers import DisaggConfig, DisaggError, run_disaggregated
+from lesson_utils.disagg.workers import DisaggConfig, DisaggError, Faults, run_disaggregated
 from lesson_utils.memory.block_manager import BlockManager
 from lesson_utils.memory.block_table import blocks_needed
 from lesson_utils.types import OutOfBlocks
@@ -113,8 +113,9 @@ def test_a_worker_dying_mid_transfer_fails_clearly_within_a_bounded_time(saved_m
     start = time.monotonic()
     with pytest.raises(DisaggError) as err:
         run_disaggregated(
-            DisaggConfig(model_dir=saved_model, num_blocks=32, block_size=4, timeout_s=5, fail_after_messages=4),
+            DisaggConfig(model_dir=saved_model, num_blocks=32, block_size=4, timeout_s=5),
             _requests(),
+            Faults(prefill_dies_after_messages=4),
         )
     assert time.monotonic() - start < 90
     message = str(err.value)
@@ -146,8 +147,9 @@ def test_a_decode_worker_dying_fails_clearly_and_the_prefill_side_frees_its_bloc
     start = time.monotonic()
     with pytest.raises(DisaggError) as err:
         run_disaggregated(
-            DisaggConfig(model_dir=saved_model, num_blocks=32, block_size=4, timeout_s=5, decode_fail_after=1),
+            DisaggConfig(model_dir=saved_model, num_blocks=32, block_size=4, timeout_s=5),
             [(r, p, n, 0.5 * r) for r, p, n in _requests()],  # the second request is sent after the decode side died
+            Faults(decode_dies_after_adopting=1),
         )
     assert time.monotonic() - start < 90
     message = str(err.value)

@@ -46,8 +46,14 @@ class DisaggConfig:
     block_size: int = 16
     timeout_s: float = 20.0  # every wait on the other worker
     stop_at_eos: bool = True
-    fail_after_messages: int | None = None  # tests: the prefill worker dies after sending this many messages
-    decode_fail_after: int | None = None  # tests: the decode worker dies after adopting this many requests
+
+
+@dataclass(frozen=True)
+class Faults:
+    """Fault injection for the killed-worker demo and the tests (none by default): a worker that "crashes"."""
+
+    prefill_dies_after_messages: int | None = None  # the prefill worker exits after sending this many messages
+    decode_dies_after_adopting: int | None = None  # the decode worker exits after adopting this many requests
 
 
 def free_loopback_port() -> int:
@@ -75,7 +81,7 @@ def _setup(cfg: DisaggConfig, rank: int):
     return w, manager, PagedKVCache.for_model(w, manager=manager)
 
 
-def prefill_worker(rank: int, cfg: DisaggConfig, requests: list[tuple], results) -> None:
+def prefill_worker(rank: int, cfg: DisaggConfig, requests: list[tuple], results, faults: Faults = Faults()) -> None:
     """Prefill each ``(req_id, prompt_ids, max_new_tokens[, arrival_s])`` once it has arrived (seconds after both
     workers are ready), send its blocks to the decode worker, free them."""
     from lesson_utils.cache.block_copy import pack_blocks
@@ -90,7 +96,7 @@ def prefill_worker(rank: int, cfg: DisaggConfig, requests: list[tuple], results)
         nonlocal sent
         dist.send(t.contiguous(), DECODE)
         sent += 1
-        if cfg.fail_after_messages is not None and sent >= cfg.fail_after_messages:
+        if faults.prefill_dies_after_messages is not None and sent >= faults.prefill_dies_after_messages:
             os._exit(17)  # a crash, as far as the other worker can tell
 
     try:
@@ -144,7 +150,7 @@ def _receive(inbox: queue.Queue, layers: int, block_shape: tuple, dtype: torch.d
         inbox.put(err)
 
 
-def decode_worker(rank: int, cfg: DisaggConfig, results) -> None:
+def decode_worker(rank: int, cfg: DisaggConfig, results, faults: Faults = Faults()) -> None:
     """Receive prefilled requests and decode them; report each one's tokens, and that every block came back."""
     import threading
 
@@ -191,7 +197,7 @@ def decode_worker(rank: int, cfg: DisaggConfig, results) -> None:
                 adopted_at[req_id] = time.time()  # its first token is here: the user can see it
                 if seq.finished_step is not None:  # its first token ended it: it is never decoded
                     results.put(("done", req_id, list(seq.output_ids), [adopted_at[req_id]]))
-                if cfg.decode_fail_after is not None and len(adopted_at) >= cfg.decode_fail_after:
+                if faults.decode_dies_after_adopting is not None and len(adopted_at) >= faults.decode_dies_after_adopting:
                     os._exit(18)  # a crash, as far as the other worker can tell
             if engine.scheduler.has_work:
                 _report(results, engine.step(), step_times, adopted_at)
@@ -300,7 +306,9 @@ def check_requests(requests, vocab_size: int, max_positions: int) -> None:
             raise ValueError(f"request {req_id}: arrival_s must be a number of seconds >= 0, got {arrival[0]!r}")
 
 
-def run_disaggregated(cfg: DisaggConfig, requests: list[tuple[int, list[int], int]]) -> DisaggResult:
+def run_disaggregated(
+    cfg: DisaggConfig, requests: list[tuple[int, list[int], int]], faults: Faults = Faults()
+) -> DisaggResult:
     """Start both workers (spawned processes), collect their results; raise :class:`DisaggError` if either dies
     or stalls (within about ``2 x cfg.timeout_s``), after stopping the other. Bad requests are refused first
     (:func:`check_requests`), with the model's vocabulary and positions read from ``cfg.model_dir``."""
@@ -315,8 +323,8 @@ def run_disaggregated(cfg: DisaggConfig, requests: list[tuple[int, list[int], in
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     procs = {
-        "prefill": ctx.Process(target=prefill_worker, args=(PREFILL, cfg, requests, results), daemon=True),
-        "decode": ctx.Process(target=decode_worker, args=(DECODE, cfg, results), daemon=True),
+        "prefill": ctx.Process(target=prefill_worker, args=(PREFILL, cfg, requests, results, faults), daemon=True),
+        "decode": ctx.Process(target=decode_worker, args=(DECODE, cfg, results, faults), daemon=True),
     }
     for p in procs.values():
         p.start()

@@ -11,6 +11,15 @@ from lesson_utils import env
 
 env.configure_triton()
 
+import inspect  # noqa: E402
+
 from lesson_utils.kernels.paged_attention import paged_attention_decode, write_kv_to_cache  # noqa: E402
 
-__all__ = ["paged_attention_decode", "write_kv_to_cache"]
+
+def source_of(fn) -> str:
+    """The source of a kernel (a ``@triton.jit`` function: the Python function it wraps) or of its launcher - what
+    the lessons print where Triton's tutorials show the code."""
+    return inspect.getsource(getattr(fn, "fn", fn))
+
+
+__all__ = ["paged_attention_decode", "source_of", "write_kv_to_cache"]
