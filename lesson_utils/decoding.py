@@ -71,16 +71,6 @@ def decode_with_cache(step: Callable, prompt: list[int], max_new_tokens: int) ->
     return out
 
 
-def decode_without_cache(step: Callable, prompt: list[int], max_new_tokens: int) -> list[int]:
-    """Greedy decoding that re-feeds the whole sequence every step (what a cache avoids)."""
-    seq = list(prompt)
-    out: list[int] = []
-    for _ in range(max_new_tokens):
-        out.append(int(torch.argmax(step(seq))))
-        seq.append(out[-1])
-    return out
-
-
 def time_per_token(
     w: OPTWeights,
     prompt: list[int],
@@ -94,8 +84,8 @@ def time_per_token(
     """Wall time (s) of each generated token, with or without a cache: the median over ``repeats`` runs.
 
     Synchronises CUDA around every step, so GPU times are real, not launch times. ``threads`` sets torch's
-    CPU threads for the measurement (restored afterwards): on a 2-core machine two threads made per-token
-    times jump between 300 and 3,900 ms, one thread gave steady numbers. ``progress`` (a tqdm bar, say) is
+    CPU threads for the measurement (restored afterwards): on a small CPU two threads can make per-token
+    times jump by an order of magnitude (two threads per core fighting for it); one thread gives steady numbers. ``progress`` (a tqdm bar, say) is
     updated once per generated token of every repeat.
     """
     if repeats < 1:

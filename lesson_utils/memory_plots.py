@@ -6,17 +6,17 @@ import numpy as np
 from matplotlib.colors import ListedColormap
 from matplotlib.patches import Patch
 
-from lesson_utils.types import KIND_NAMES
+from lesson_utils.types import SlotKind
 
 from .plotting import COLORS
 
-KIND_COLORS = [COLORS["token states"], COLORS["reserved"], COLORS["internal fragmentation"], COLORS["free"]]
+KIND_COLORS = [COLORS[k] for k in SlotKind]
 KIND_CMAP = ListedColormap(KIND_COLORS)
 FREE_LABEL = "free (external fragmentation while requests wait)"
 
 
 def legend_patches() -> list[Patch]:
-    labels = list(KIND_NAMES[:3]) + [FREE_LABEL]
+    labels = [k.value for k in SlotKind][:3] + [FREE_LABEL]
     return [Patch(facecolor=c, edgecolor="#555", label=l) for c, l in zip(KIND_COLORS, labels)]
 
 
@@ -61,7 +61,7 @@ def draw_breakdown_bars(ax, rows: dict[str, dict[str, float]], title: str = "") 
     """Stacked horizontal bars: one row per system, shares (%) of the four kinds."""
     names = list(rows)
     left = np.zeros(len(names))
-    for i, kind in enumerate(("token states", "reserved", "internal fragmentation", "free")):
+    for i, kind in enumerate(SlotKind):
         values = np.array([rows[n].get(kind, 0.0) for n in names])
         ax.barh(
             names,
@@ -69,7 +69,7 @@ def draw_breakdown_bars(ax, rows: dict[str, dict[str, float]], title: str = "") 
             left=left,
             color=KIND_COLORS[i],
             edgecolor="white",
-            label=KIND_NAMES[i] if kind != "free" else "external fragmentation & free",
+            label=kind.value if kind is not SlotKind.FREE else "external fragmentation & free",
         )
         for y, (x0, v) in enumerate(zip(left, values)):
             if v >= 6:

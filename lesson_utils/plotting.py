@@ -15,13 +15,15 @@ from typing import Any, Callable
 
 import matplotlib
 
+from lesson_utils.types import SlotKind
+
 # The four kinds of KV-cache memory (lesson 02) and a few more, one colour each across the course.
 COLORS = {
-    "token states": "#2e7d32",  # green: K/V of real tokens
-    "reserved": "#f9a825",  # amber: reserved for tokens still to be generated
-    "internal fragmentation": "#e64a19",  # red-orange: over-provisioned, never used
+    SlotKind.TOKEN: "#2e7d32",  # green: K/V of real tokens
+    SlotKind.RESERVED: "#f9a825",  # amber: reserved for tokens still to be generated
+    SlotKind.INTERNAL: "#e64a19",  # red-orange: over-provisioned, never used
     "external fragmentation": "#9e9e9e",  # grey: free, but in holes
-    "free": "#eceff1",
+    SlotKind.FREE: "#eceff1",
     "paged": "#1565c0",
     "naive": "#e64a19",
     "paper": "#6a1b9a",

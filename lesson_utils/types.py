@@ -2,7 +2,7 @@
 
 * the errors: :class:`OutOfBlocks` / :class:`OutOfSlots` (no room *now*: schedulers catch them, then wait or
   preempt) and :class:`NeverFits` (no room ever: refused at the door);
-* the four slot kinds of the paper's Fig. 2 (``TOKEN``, ``RESERVED``, ``INTERNAL``, ``FREE``), for memory maps;
+* the four slot kinds of the paper's Fig. 2 (:class:`SlotKind`; their codes ``TOKEN`` .. ``FREE`` in memory maps);
 * :class:`Request` (what arrives) and :class:`Sequence` (a request being served);
 * :class:`MemoryManager`, the protocol between the scheduler and any KV memory manager.
 
@@ -31,8 +31,29 @@ class NeverFits(ValueError):
 
 
 # ---- slot kinds (one byte per slot in memory maps) -----------------------------------------------------
-TOKEN, RESERVED, INTERNAL, FREE = 0, 1, 2, 3
-KIND_NAMES = ("token states", "reserved", "internal fragmentation", "external fragmentation")
+class SlotKind(str, Enum):
+    """The four kinds of KV slot of the paper's Fig. 2, in memory-map order (``code``: the byte a map stores).
+
+    A str enum: a breakdown keyed by kinds also answers to their names (``breakdown()["token states"]``).
+    Free slots are *external fragmentation* in a contiguous arena while requests wait (lesson 02)."""
+
+    TOKEN = "token states"  # K/V of real tokens
+    RESERVED = "reserved"  # reserved for tokens still to be generated
+    INTERNAL = "internal fragmentation"  # over-provisioned: never used (or the unfilled tail of a last block)
+    FREE = "free"
+
+    @property
+    def code(self) -> int:
+        return list(SlotKind).index(self)
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+
+TOKEN, RESERVED, INTERNAL, FREE = (k.code for k in SlotKind)
 
 
 # ---- requests and sequences ---------------------------------------------------------------------------

@@ -64,10 +64,6 @@ class ContiguousKVCache:
         kw.setdefault("device", w.device)
         return cls(w.num_layers, num_slots, w.num_kv_heads, w.head_dim, default_reservation=default_reservation, **kw)
 
-    @property
-    def bytes_per_slot(self) -> int:
-        return 2 * self.k.shape[0] * self.k.shape[2] * self.k.shape[3] * self.k.element_size()
-
     def reserve(self, seq_id: int, num_slots: int) -> int:
         """Reserve ``num_slots`` for a new sequence; raises ``OutOfSlots`` / ``NeverFits``."""
         if seq_id in self.start:

@@ -2,8 +2,10 @@
 
 The compact OPT forward (``lesson_utils.model.opt_forward``) never stores keys and values itself: each step it
 hands them to a cache object and asks the same object for attention. Lesson 01 plugs in a contiguous
-arena, lesson 03 a paged cache, lesson 04 a Triton kernel; this module holds the interface they share,
-the plain-torch attention every cache is checked against, and the simplest possible cache.
+arena, lesson 03 a paged cache, lesson 04 a Triton kernel; this module holds what they share: the step's
+batch (:class:`StepBatch`), the metadata a cache prepares once per step for every layer
+(:class:`AttentionMetadata`), and the :class:`KVCache` protocol. (The plain-torch attention every cache is
+checked against lives in ``cache/attention.py``; the simplest cache in ``cache/dense.py``.)
 
 A step processes a *flat* batch of new tokens from several sequences at once: a whole prompt for a
 sequence being prefilled, one token for a sequence being decoded.

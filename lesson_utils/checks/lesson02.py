@@ -7,10 +7,11 @@ import random
 import numpy as np
 
 from lesson_utils.memory import reservation as R
+from lesson_utils.types import SlotKind
 
 from .core import CheckResult, check_function
 
-_NAMES = {R.TOKEN: "token", R.RESERVED: "reserved", R.INTERNAL: "internal", R.FREE: "free"}
+_NAMES = {k.code: k.value for k in SlotKind}
 
 
 def _allocation_cases() -> list[tuple]:

@@ -1,1 +1,1 @@
-"""Lesson 09 (in progress): disaggregated prefill - a prefill worker and a decode worker exchanging KV blocks."""
+"""Lesson 09: disaggregated prefill - a prefill worker and a decode worker exchanging KV blocks."""

@@ -197,7 +197,10 @@ def decode_worker(rank: int, cfg: DisaggConfig, results, faults: Faults = Faults
                 adopted_at[req_id] = time.time()  # its first token is here: the user can see it
                 if seq.finished_step is not None:  # its first token ended it: it is never decoded
                     results.put(("done", req_id, list(seq.output_ids), [adopted_at[req_id]]))
-                if faults.decode_dies_after_adopting is not None and len(adopted_at) >= faults.decode_dies_after_adopting:
+                if (
+                    faults.decode_dies_after_adopting is not None
+                    and len(adopted_at) >= faults.decode_dies_after_adopting
+                ):
                     os._exit(18)  # a crash, as far as the other worker can tell
             if engine.scheduler.has_work:
                 _report(results, engine.step(), step_times, adopted_at)

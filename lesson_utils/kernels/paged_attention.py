@@ -10,7 +10,7 @@
 
 On CUDA the kernels are compiled; on a CPU they run in Triton's interpreter, which ``lesson_utils.env``
 switches on (``TRITON_INTERPRET=1``) before this module defines them. The interpreter checks
-correctness, not speed (about 4 ms per program and loop step).
+correctness, not speed: every program and loop step runs as Python.
 
 Two variants of the decode kernel: ``"simple"`` (one block of the table per loop step, the version the
 lesson builds first) and ``"tiled"`` (``TOKENS_PER_TILE`` tokens - several blocks - per step: longer

@@ -22,7 +22,7 @@ import numpy as np
 
 from lesson_utils.memory.block_allocator import BlockAllocator
 from lesson_utils.memory.block_table import BlockTable, blocks_needed, grow_block_table
-from lesson_utils.types import FREE, INTERNAL, TOKEN, NeverFits, OutOfBlocks, Sequence
+from lesson_utils.types import FREE, INTERNAL, TOKEN, NeverFits, OutOfBlocks, Sequence, SlotKind
 
 
 class BlockManager:
@@ -236,10 +236,10 @@ class BlockManager:
         tokens = sum(t.num_tokens for t in self.tables.values())
         held = sum(t.capacity for t in self.tables.values())
         return {
-            "token states": tokens,
-            "reserved": 0,  # paging reserves nothing for future tokens
-            "internal fragmentation": held - tokens,  # only the unfilled tails of last blocks
-            "free": self.allocator.num_free * self.block_size,
+            SlotKind.TOKEN: tokens,
+            SlotKind.RESERVED: 0,  # paging reserves nothing for future tokens
+            SlotKind.INTERNAL: held - tokens,  # only the unfilled tails of last blocks
+            SlotKind.FREE: self.allocator.num_free * self.block_size,
         }
 
     def utilization(self) -> float:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import numpy as np
 
 from lesson_utils.memory.contiguous import FirstFitAllocator
-from lesson_utils.types import FREE, INTERNAL, RESERVED, TOKEN, NeverFits, Sequence
+from lesson_utils.types import FREE, INTERNAL, RESERVED, TOKEN, NeverFits, Sequence, SlotKind
 
 POLICIES = ("max", "pow2", "oracle")
 
@@ -141,10 +141,10 @@ class ContiguousReservationManager:
             reserved += seq.final_len - seq.len
             internal += self.reserved[sid] - seq.final_len
         return {
-            "token states": token,
-            "reserved": reserved,
-            "internal fragmentation": internal,
-            "free": self.total_slots - token - reserved - internal,
+            SlotKind.TOKEN: token,
+            SlotKind.RESERVED: reserved,
+            SlotKind.INTERNAL: internal,
+            SlotKind.FREE: self.total_slots - token - reserved - internal,
         }
 
     def allocations(self) -> list[tuple[int, int, int, int]]:

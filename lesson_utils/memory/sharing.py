@@ -23,7 +23,7 @@ from typing import Callable
 from lesson_utils.memory.block_manager import BlockManager
 from lesson_utils.memory.block_pool import NO_PARENT, BlockPool, block_hash
 from lesson_utils.memory.block_table import BlockTable, blocks_needed
-from lesson_utils.types import OutOfBlocks, Sequence
+from lesson_utils.types import OutOfBlocks, Sequence, SlotKind
 
 
 def fork_table(parent: BlockTable, pool: BlockPool) -> BlockTable:
@@ -201,10 +201,10 @@ class SharingBlockManager(BlockManager):
                 fill[b] = max(fill.get(b, 0), min(self.block_size, t.num_tokens - i * self.block_size))
         tokens = sum(fill.values())
         return {
-            "token states": tokens,
-            "reserved": 0,
-            "internal fragmentation": len(held) * self.block_size - tokens,
-            "free": self.pool.num_free * self.block_size,
+            SlotKind.TOKEN: tokens,
+            SlotKind.RESERVED: 0,
+            SlotKind.INTERNAL: len(held) * self.block_size - tokens,
+            SlotKind.FREE: self.pool.num_free * self.block_size,
         }
 
     def check_invariants(self) -> None:

@@ -76,7 +76,7 @@ def tiny_opt_config():
     vocabulary (320) covers the byte tokenizer's 260 ids. Weights are drawn 10x wider than OPT's default
     (``init_std=0.2``): with the default the toy model's attention is almost uniform and its output hardly
     depends on the context, so K/V written to the wrong block left every output token unchanged
-    (``tests/test_model_and_forward.py`` shows that this model notices).
+    (``tests/cache/test_model_and_forward.py`` shows that this model notices).
     """
     from transformers import OPTConfig
 

@@ -32,7 +32,7 @@ class StepWork:
     def of_plan(cls, plan) -> "StepWork":
         """The work of a :class:`~lesson_utils.serving.scheduler.StepPlan` once it has run (each scheduled
         sequence's ``kv_len`` then counts the tokens its last token attended over)."""
-        fed = sum(plan.tokens_to_feed()) if plan.num_tokens is None else sum(plan.num_tokens)
+        fed = sum(plan.num_tokens)
         return cls(fed - plan.prefill_tokens, plan.prefill_tokens, sum(s.kv_len for s in plan.scheduled))
 
     def features(self) -> np.ndarray:

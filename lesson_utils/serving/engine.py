@@ -1,4 +1,4 @@
-"""Lessons 03 and 05: a mini serving engine - requests in, token ids out.
+"""The course's serving engine (lessons 03-09) - requests in, token ids out.
 
 Three pieces, each replaceable:
 
@@ -37,7 +37,7 @@ from lesson_utils.serving.output import StepPlan
 from lesson_utils.serving.scheduler import FCFSScheduler
 from lesson_utils.serving.step import StepResult, serve_step
 from lesson_utils.serving.token_budget import ChunkedPrefill
-from lesson_utils.types import Request, Sequence, SequenceStatus
+from lesson_utils.types import Request, Sequence, SequenceStatus, SlotKind
 
 
 def check_token_ids(ids, vocab_size: int, what: str = "prompt") -> list[int]:
@@ -239,13 +239,13 @@ class Engine:
                 plan.prefill_tokens,
                 len(plan.preempted),
                 now - t0,
-                br["token states"],
+                br[SlotKind.TOKEN],
                 sum(br.values()),
                 now,
                 work.decodes + work.prefill_tokens,
                 work.decodes,
                 work.context_tokens,
-                sum(br.values()) - br["free"],
+                sum(br.values()) - br[SlotKind.FREE],
             )
         )
 

@@ -27,9 +27,9 @@ from lesson_utils.serving.cost_model import StepCost, StepWork
 from lesson_utils.serving.output import RunnerOutput, StepPlan
 from lesson_utils.serving.scheduler import FCFSScheduler
 from lesson_utils.serving.step import serve_step
-from lesson_utils.types import MemoryManager, Request, Sequence
+from lesson_utils.types import MemoryManager, Request, Sequence, SlotKind
 
-KINDS = ("token states", "reserved", "internal fragmentation", "free")
+KINDS = tuple(SlotKind)  # the breakdown's keys, in memory-map order
 
 
 class AccountingRunner:

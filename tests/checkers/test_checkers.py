@@ -187,7 +187,7 @@ def test_classify_slots_checker():
         return R.classify_slots(total, [(s, r, max(0, u - 1), f) for s, r, u, f in allocs])
 
     assert rejected(lesson02.check_classify_slots(swapped), "expected reserved, got internal")
-    assert rejected(lesson02.check_classify_slots(off_by_one), "expected token, got reserved")
+    assert rejected(lesson02.check_classify_slots(off_by_one), "expected token states, got reserved")
 
 
 def test_external_fragmentation_checker():

@@ -229,7 +229,7 @@ def test_cli_compare_with_a_missing_summary_fails_before_running(tmp_path, capsy
 def test_recorded_runs_are_complete_and_comparable():
     """Every run kept in docs/recorded_runs loads for --compare, covers every lesson's solution notebook, and
     its report's figures are there (an instructor compares a class machine against these)."""
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     lessons = {p.name for p in (root / "solutions").glob("[0-9][0-9]_*.ipynb")}
     recorded = sorted(p for p in (root / "docs" / "recorded_runs").iterdir() if p.is_dir())
     assert recorded, "no recorded run in docs/recorded_runs"

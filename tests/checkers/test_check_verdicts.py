@@ -18,7 +18,7 @@ import pytest
 
 from course_tools import run_all
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 STUDENTS = sorted((ROOT / "notebooks").glob(run_all.LESSON_GLOB))
 STUB = re.compile(r"raise NotImplementedError\(\"Exercise '[^']+' is not solved yet\"\)")
 

@@ -22,7 +22,7 @@ import pytest
 
 from course_tools import build, run_all
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SOLUTIONS = sorted((ROOT / "solutions").glob(run_all.LESSON_GLOB))
 STUDENTS = sorted((ROOT / "notebooks").glob(run_all.LESSON_GLOB))
 OUT = ROOT / "runs" / "ci-tests"  # git-ignored; executed notebooks, figures, summary.json and report.md
