@@ -140,10 +140,21 @@ class StepTrace:
     itl_s: np.ndarray  # every gap between two consecutive tokens of a decoding request
     ttft_s: dict[int, float]  # time to first token of the watched (long-prompt) requests, from their arrival
     outputs: dict[int, list[int]]
+    step_work: list[StepWork] = field(default_factory=list)  # what every step computed (the cost model's view)
 
     def itl_ms(self, q: float) -> float:
         """A percentile of the decoding requests' inter-token latency, in ms."""
         return float(np.percentile(self.itl_s, q) * 1e3) if len(self.itl_s) else float("nan")
+
+    @property
+    def mean_ttft_ms(self) -> float:
+        """The watched requests' mean time to first token, in ms."""
+        return float(np.mean(list(self.ttft_s.values())) * 1e3) if self.ttft_s else float("nan")
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Output tokens of every request over the run's total step time."""
+        return sum(len(o) for o in self.outputs.values()) / float(self.step_s.sum())
 
 
 def serve_by_steps(
@@ -188,6 +199,7 @@ def serve_by_steps(
         np.array(gaps),
         {rid: seqs[rid].first_token_s for rid in watch},
         {rid: list(s.output_ids) for rid, s in seqs.items()},
+        [st.work for st in stats],
     )
 
 

@@ -226,4 +226,30 @@ def setup(seed: int = 0) -> Profile:
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
+    show_first_widget(p)
     return p
+
+
+def show_first_widget(p: Profile) -> bool:
+    """In a live Jupyter kernel, display one small widget; returns whether it did.
+
+    JupyterLab shows the cell that displays a kernel's *first* widget as "Idle" while it runs (measured: the
+    second widget cell shows "Busy"), and the first such cell is often a long one (its progress bar is the
+    widget). Displaying one here, in the quick setup cell, makes every later long cell show "Busy". Nothing is
+    shown headless (the course's runner, CI) or outside Jupyter."""
+    from .plotting import is_headless
+
+    if is_headless():
+        return False
+    try:
+        from IPython import get_ipython
+
+        shell = get_ipython()
+        if shell is None or type(shell).__name__ != "ZMQInteractiveShell":
+            return False
+        import ipywidgets
+        from IPython.display import display
+    except ImportError:
+        return False
+    display(ipywidgets.HTML(value=f"<small>widgets ready - {p.label()}</small>"))
+    return True

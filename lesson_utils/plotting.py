@@ -80,13 +80,28 @@ def _default_of(control: Any) -> Any:
     return control
 
 
+def _start_values(fn: Callable[..., Any], controls: dict[str, Any]) -> dict[str, Any]:
+    """The values the controls start at, as ``interact`` picks them: the function's own default for a parameter
+    when it has one (a slider ``moment=(0, 9, 1)`` on ``def f(moment=9)`` starts at 9), else the control's."""
+    import inspect
+
+    params = inspect.signature(fn).parameters
+    start = {}
+    for name, control in controls.items():
+        default = params[name].default if name in params else inspect.Parameter.empty
+        start[name] = _default_of(control) if default is inspect.Parameter.empty else default
+    return start
+
+
 def interactive(fn: Callable[..., Any], **controls: Any) -> None:
-    """``ipywidgets.interact(fn, **controls)`` live; one static call with the defaults when headless."""
+    """``ipywidgets.interact(fn, **controls)`` live; one static call with the start values when headless. The
+    static picture shows the moment the controls start at (:func:`_start_values`), so a saved notebook's figure is
+    the one the caption describes."""
+    defaults = _start_values(fn, controls)
     if is_headless():
-        fn(**{name: _default_of(c) for name, c in controls.items()})
+        fn(**defaults)
         print("(Executed headless: drawn once with the default values. Open the notebook to use the controls.)")
         return
-    defaults = {name: _default_of(c) for name, c in controls.items()}
     try:
         from ipywidgets import interact
     except ImportError:  # pragma: no cover - ipywidgets is a dependency
@@ -110,3 +125,26 @@ def show(fig=None) -> None:
         plt.close(fig) if fig is not None else plt.close("all")
         return
     plt.show()
+
+
+def draw_visibility(ax, query_pos, key_pos, context_len: int, *, title: str, query_labels=None) -> None:
+    """A grid of which keys each query may use in causal attention over a ``context_len``-token sequence: one row
+    per query position in ``query_pos``, one column per key position in ``key_pos`` (positions past the sequence
+    are drawn as "no key"). ``query_labels`` replaces the row labels (lesson 08's first picture hides the
+    positions: working them out is the exercise)."""
+    import numpy as np
+    from matplotlib.colors import ListedColormap
+
+    q = np.asarray(query_pos)[:, None]
+    k = np.asarray(key_pos)[None, :]
+    grid = np.where(k >= context_len, 2, np.where(k <= q, 1, 0))
+    ax.imshow(grid, cmap=ListedColormap(["#ffffff", COLORS["paged"], "#d0d0d0"]), vmin=0, vmax=2, aspect="equal")
+    ax.set_xticks(range(len(key_pos)), [str(p) for p in key_pos], fontsize=8)
+    labels = query_labels if query_labels is not None else [str(p) for p in query_pos]
+    ax.set_yticks(range(len(query_pos)), labels, fontsize=8)
+    ax.set_xticks(np.arange(-0.5, len(key_pos)), minor=True)
+    ax.set_yticks(np.arange(-0.5, len(query_pos)), minor=True)
+    ax.grid(which="minor", color="black", lw=0.5)
+    ax.grid(which="major", visible=False)
+    ax.tick_params(which="minor", length=0)
+    ax.set_title(title, fontsize=9)

@@ -166,8 +166,15 @@ def failed(name: str, detail: str, reference: Any, quiet: bool = False) -> Check
     return _finish(CheckResult(name, False, msg, use=reference), quiet)
 
 
+PASSED_NEXT = (
+    "From here on the notebook uses your code; cells below that already ran used the course's reference - re-run "
+    "them to see yours."
+)
+
+
 def passed(name: str, detail: str, learner: Any, quiet: bool = False) -> CheckResult:
-    return _finish(CheckResult(name, True, f"[passed] Exercise '{name}': {detail}", use=learner), quiet)
+    msg = f"[passed] Exercise '{name}': {detail}\n{PASSED_NEXT}"
+    return _finish(CheckResult(name, True, msg, use=learner), quiet)
 
 
 def _raised(name: str, case_text: str, err: BaseException, reference: Any, quiet: bool) -> CheckResult:

@@ -198,24 +198,57 @@ def _close(expected, got) -> bool:
 
 
 def _chunk_hint(case, expected, got) -> str:
+    """The mistake a wrong output matches, recomputed the wrong ways (the question, never the code)."""
     q, kc, vc, table, ctx, scale = case
-    k = attention.gather_kv(kc, table, ctx).float()
-    v = attention.gather_kv(vc, table, ctx).float()
-    group = q.shape[1] // k.shape[1]
-    kf, vf = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
-    scores = torch.einsum("qhd,khd->hqk", q.float(), kf) * scale
-    n = q.shape[0]
-    qpos = torch.arange(n)[:, None].to(q.device)
-    kpos = torch.arange(ctx)[None, :].to(q.device)
-    variants = {
-        "every query sees every key: the causal rule is missing": scores,
-        "the queries are the chunk's last tokens (positions context_len - n ...), not the first": scores.masked_fill(
-            kpos > qpos, -math.inf
+    if not torch.isfinite(got.float()).all():
+        return "the output has inf/nan values: does every query see at least one key (its own)?"
+    n, block_size = q.shape[0], kc.shape[1]
+    qpos = torch.arange(n, device=q.device)[:, None] + ctx - n
+
+    def attend(keys: int, mask, interleave: bool = True):
+        k = attention.gather_kv(kc, table, keys).float()
+        v = attention.gather_kv(vc, table, keys).float()
+        group = q.shape[1] // k.shape[1]
+        if interleave:
+            k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+        else:
+            k, v = k.repeat(1, group, 1), v.repeat(1, group, 1)
+        s = torch.einsum("qhd,khd->hqk", q.float(), k) * scale
+        kpos = torch.arange(keys, device=q.device)[None, :]
+        if mask is not None:
+            s = s.masked_fill(~mask(kpos), -math.inf)
+        return torch.einsum("hqk,khd->qhd", s.softmax(-1), v)
+
+    whole = len(table) * block_size
+    variants = [
+        ("every query sees every key: which keys lie in a query's future?", ctx, None, True),
+        (
+            "your queries sit at the start of the sequence: where are the newest n tokens?",
+            ctx,
+            lambda kp: kp <= torch.arange(n, device=q.device)[:, None],
+            True,
         ),
-    }
-    for why, s in variants.items():
-        out = torch.einsum("hqk,khd->qhd", s.softmax(-1), vf)
-        if torch.allclose(out, got.float(), atol=1e-4):
+        ("a query may also use its own key: it is in the cache already", ctx, lambda kp: kp < qpos, True),
+        ("each query sees one key too many: count the positions again", ctx, lambda kp: kp <= qpos + 1, True),
+        (
+            "your keys run past context_len: the table's last block is only partly filled, and may be followed by "
+            "a block that holds no tokens yet",
+            whole,
+            lambda kp: kp <= torch.arange(n, device=q.device)[:, None] + whole - n,
+            True,
+        ),
+        (
+            "the query heads read the wrong K/V heads: which K/V head does query head h use when heads are grouped?",
+            ctx,
+            lambda kp: kp <= qpos,
+            False,
+        ),
+    ]
+    for why, keys, mask, interleave in variants:
+        if keys > whole or (not interleave and q.shape[1] == kc.shape[2]):
+            continue
+        out = attend(keys, mask, interleave)
+        if torch.isfinite(out).all() and torch.allclose(out, got.float(), atol=1e-3):
             return why
     return ""
 
@@ -269,12 +302,8 @@ def check_causal_mask(fn) -> CheckResult:
     name = "causal_mask"
     cases = [
         ("decodes", "one query per sequence, at its last position: it sees every key", _kernel_case(1, [1, 1], [9, 4])),
-        ("a whole prompt", "query j sees keys 0 .. j", _kernel_case(2, [7], [7])),
-        (
-            "a chunk after cached tokens",
-            "queries at 6 .. 10 see keys 0 .. their own position",
-            _kernel_case(3, [5], [11]),
-        ),
+        ("a whole prompt", "a 7-token prompt in one chunk", _kernel_case(2, [7], [7])),
+        ("a chunk after cached tokens", "a chunk of 5 after 6 cached tokens", _kernel_case(3, [5], [11])),
         ("mixed", "chunks and decodes in one launch", _kernel_case(4, [3, 1, 8], [3, 13, 10])),
     ]
     for label, what, case in cases:
@@ -302,11 +331,13 @@ def check_causal_mask(fn) -> CheckResult:
             )
         err = (got - want).abs()
         if err.max() > 1e-4:
-            row = int((err == err.max()).nonzero()[0, 0])
+            row = int((err.flatten(1).amax(1) > 1e-4).nonzero()[0, 0])
+            seq = int(torch.searchsorted(starts.cpu(), torch.tensor(row), right=True)) - 1
+            pos = int(ctx[seq]) - (int(starts[seq + 1]) - row)
             return failed(
                 name,
-                f"case '{label}' ({what}): max abs error {err.max():.3g} vs the torch reference, first at query row "
-                f"{row} - which keys may that query see?",
+                f"case '{label}' ({what}): max abs error {err.max():.3g} vs the torch reference, first at the query "
+                f"at position {pos} of a {int(ctx[seq])}-token sequence - which keys may that query use?",
                 U.causal_mask,
             )
     result = passed(

@@ -10,6 +10,12 @@ and decodes the request with its engine, beside the others already decoding. Eac
 2. the prefill worker's block ids and the prompt's token ids, int64 ``[num_blocks + num_tokens]``;
 3. the packed K/V of every layer, ``[2, layers, num_blocks, block_size, kv_heads, head_dim]``.
 
+Before the clock starts (a barrier both pass once loaded) each worker serves one short request of its own
+(``DisaggConfig.warmup``): the first step of a process pays one-off costs - allocator growth, lazy
+initialisation - that would otherwise land in the first measured request's time to first token. The hand-over
+is timed in its three stages: staging (pack the blocks into one tensor, in host memory), transfer (the decode
+worker's receive of the payload) and unpack (allocate, write into the decode cache, adopt).
+
 Every wait on the other worker is bounded by the process group's timeout; a worker that fails reports what
 happened through the result queue after giving back every block it holds, and :func:`run_disaggregated`
 turns a dead or stuck worker into a clear error within a bounded time.
@@ -46,6 +52,7 @@ class DisaggConfig:
     block_size: int = 16
     timeout_s: float = 20.0  # every wait on the other worker
     stop_at_eos: bool = True
+    warmup: bool = True  # each worker serves one request of its own before the clock starts
 
 
 @dataclass(frozen=True)
@@ -76,9 +83,44 @@ def _setup(cfg: DisaggConfig, rank: int):
         world_size=2,
         timeout=datetime.timedelta(seconds=cfg.timeout_s),
     )
-    w = OPTWeights.from_hf(load_model(local_path=cfg.model_dir).model)
+    w = OPTWeights.from_hf(load_model(local_path=cfg.model_dir, quiet=True).model)
     manager = BlockManager(cfg.num_blocks, cfg.block_size, watermark=0.0, max_seq_len=w.max_positions)
     return w, manager, PagedKVCache.for_model(w, manager=manager)
+
+
+WARMUP_PROMPT_LEN, WARMUP_NEW_TOKENS = 24, 3
+
+
+def _warmup_prompt(w, cfg: DisaggConfig) -> list[int]:
+    """The warm-up request's prompt: a fixed one, long enough to span two blocks of 16, and never more than
+    half the worker's cache (with the tokens it generates)."""
+    n = max(1, min(WARMUP_PROMPT_LEN, cfg.num_blocks * cfg.block_size // 2 - WARMUP_NEW_TOKENS))
+    return [w.bos_token_id] + [4 + i % (w.vocab_size - 4) for i in range(n - 1)]
+
+
+def _warm_up_prefill(cfg: DisaggConfig, runner, manager, cache, results) -> None:
+    """One prefill and one staging copy of the prefill worker's own, freed again; its time is reported."""
+    from lesson_utils.cache.block_copy import pack_blocks
+    from lesson_utils.disagg.handover import prefill_request
+    from lesson_utils.types import Request
+
+    if not cfg.warmup:
+        return
+    t = time.perf_counter()
+    prompt = _warmup_prompt(runner.w, cfg)
+    done = prefill_request(runner, manager, Request(-2, 0.0, len(prompt), 1, prompt_ids=prompt))
+    _to_host(pack_blocks(cache.k_cache, cache.v_cache, done.blocks))
+    manager.free_seq(-2)
+    results.put(("warmed", "prefill", time.perf_counter() - t, time.time()))
+
+
+def _warm_up_decode(cfg: DisaggConfig, w, engine, results) -> None:
+    """One request served to the end by the decode worker's own engine (prefill and a few decodes)."""
+    if not cfg.warmup:
+        return
+    t = time.perf_counter()
+    engine.generate([_warmup_prompt(w, cfg)], WARMUP_NEW_TOKENS)
+    results.put(("warmed", "decode", time.perf_counter() - t, time.time()))
 
 
 def prefill_worker(rank: int, cfg: DisaggConfig, requests: list[tuple], results, faults: Faults = Faults()) -> None:
@@ -102,7 +144,8 @@ def prefill_worker(rank: int, cfg: DisaggConfig, requests: list[tuple], results,
     try:
         w, manager, cache = _setup(cfg, rank)
         runner = ModelRunner(w, cache)
-        dist.barrier()  # both workers loaded: the clock starts
+        _warm_up_prefill(cfg, runner, manager, cache, results)
+        dist.barrier()  # both workers loaded and warm: the clock starts
         t0 = time.time()
         results.put(("start", t0))
         for req_id, prompt, max_new, *arrival in requests:
@@ -110,12 +153,14 @@ def prefill_worker(rank: int, cfg: DisaggConfig, requests: list[tuple], results,
             if wait > 0:
                 time.sleep(wait)
             done = prefill_request(runner, manager, Request(req_id, 0.0, len(prompt), max_new, prompt_ids=list(prompt)))
+            t_pack = time.perf_counter()
             packed = _to_host(pack_blocks(cache.k_cache, cache.v_cache, done.blocks))
             t_send = time.perf_counter()
             send(torch.tensor([req_id, len(prompt), done.first_token, max_new, len(done.blocks)], dtype=torch.int64))
             send(torch.tensor(list(done.blocks) + list(prompt), dtype=torch.int64))
             send(packed)
-            results.put(("sent", req_id, packed.numel() * packed.element_size(), time.perf_counter() - t_send))
+            now = time.perf_counter()
+            results.put(("sent", req_id, packed.numel() * packed.element_size(), now - t_send, t_send - t_pack))
             manager.free_seq(req_id)
         send(torch.tensor([END, 0, 0, 0, 0], dtype=torch.int64))
         results.put(("prefill done", manager.num_free_blocks == cfg.num_blocks))
@@ -164,8 +209,9 @@ def decode_worker(rank: int, cfg: DisaggConfig, results, faults: Faults = Faults
         engine = Engine(w, cache, stop_at_eos=cfg.stop_at_eos)
         eos = w.eos_token_id if cfg.stop_at_eos else None
         k0 = cache.k_cache[0]
+        _warm_up_decode(cfg, w, engine, results)
         dist.barrier()
-        step_times: list[float] = []  # wall time at the end of every decode step
+        step_times: list[float] = [float("nan")] * len(engine.stats)  # the end of every step (warm-up's: unknown)
         adopted_at: dict[int, float] = {}
         inbox: queue.Queue = queue.Queue()
         threading.Thread(
@@ -192,8 +238,10 @@ def decode_worker(rank: int, cfg: DisaggConfig, results, faults: Faults = Faults
                 if not finishes_at_once(prefilled, eos):
                     while manager.num_free_blocks < num_blocks and engine.scheduler.has_work:
                         _report(results, engine.step(), step_times, adopted_at)  # finished requests free blocks
+                t_unpack = time.perf_counter()
                 seq = receive(engine, prefilled, payload, eos_token_id=eos)
-                results.put(("received", req_id, payload.numel() * payload.element_size(), recv_s))
+                unpack_s = time.perf_counter() - t_unpack
+                results.put(("received", req_id, payload.numel() * payload.element_size(), recv_s, unpack_s))
                 adopted_at[req_id] = time.time()  # its first token is here: the user can see it
                 if seq.finished_step is not None:  # its first token ended it: it is never decoded
                     results.put(("done", req_id, list(seq.output_ids), [adopted_at[req_id]]))
@@ -243,12 +291,24 @@ def _free_everything(manager) -> bool:
 
 @dataclass
 class DisaggResult:
+    """What both workers reported. The hand-over of request ``r`` is ``pack_s[r]`` (staging: its blocks packed
+    into one host tensor) + ``recv_s[r]`` (transfer: the decode worker's receive of that tensor) +
+    ``unpack_s[r]`` (allocating, writing into the decode cache, adopting)."""
+
     outputs: dict[int, list[int]]
     token_times: dict[int, list[float]]  # wall time each token reached the decode worker (seconds after start)
     bytes_sent: dict[int, int]
     send_s: dict[int, float]  # the prefill worker's three sends
     recv_s: dict[int, float]  # the decode worker's receive of the K/V payload
     all_blocks_free: bool
+    pack_s: dict[int, float] = field(default_factory=dict)
+    unpack_s: dict[int, float] = field(default_factory=dict)
+    warmup_s: dict[str, float] = field(default_factory=dict)  # each worker's warm-up request ({} without one)
+    warm_before_start: bool = True  # every warm-up ended before the clock started
+
+    def handover_s(self, req_id: int) -> float:
+        """Staging + transfer + unpack of one request, in seconds."""
+        return self.pack_s[req_id] + self.recv_s[req_id] + self.unpack_s[req_id]
 
 
 @dataclass
@@ -263,6 +323,10 @@ class _Collected:
     errors: list = field(default_factory=list)
     finished: dict = field(default_factory=dict)  # worker -> all its blocks were free at the end
     start: float = 0.0
+    pack_s: dict = field(default_factory=dict)
+    unpack_s: dict = field(default_factory=dict)
+    warmup_s: dict = field(default_factory=dict)
+    warm_end: float = 0.0  # the wall time the last warm-up ended
 
     def take(self, msg) -> None:
         kind = msg[0]
@@ -271,9 +335,12 @@ class _Collected:
         elif kind == "done":
             self.outputs[msg[1]], self.token_times[msg[1]] = msg[2], msg[3]
         elif kind == "sent":
-            self.sizes[msg[1]], self.send_s[msg[1]] = msg[2], msg[3]
+            self.sizes[msg[1]], self.send_s[msg[1]], self.pack_s[msg[1]] = msg[2], msg[3], msg[4]
         elif kind == "received":
-            self.recv_s[msg[1]] = msg[3]
+            self.recv_s[msg[1]], self.unpack_s[msg[1]] = msg[3], msg[4]
+        elif kind == "warmed":
+            self.warmup_s[msg[1]] = msg[2]
+            self.warm_end = max(self.warm_end, msg[3])
         elif kind in ("prefill done", "decode done"):
             self.finished[kind.split()[0]] = msg[1]
         elif kind == "error":
@@ -355,7 +422,18 @@ def run_disaggregated(
     if got.errors or crashed:
         raise DisaggError("disaggregated serving failed: " + "; ".join(crashed + got.errors))
     rel = {rid: [t - got.start for t in ts] for rid, ts in got.token_times.items()}
-    return DisaggResult(got.outputs, rel, got.sizes, got.send_s, got.recv_s, all(got.finished.values()))
+    return DisaggResult(
+        got.outputs,
+        rel,
+        got.sizes,
+        got.send_s,
+        got.recv_s,
+        all(got.finished.values()),
+        got.pack_s,
+        got.unpack_s,
+        got.warmup_s,
+        got.warm_end <= got.start,
+    )
 
 
 def _drain(results, got: _Collected, wait_s: float) -> None:

@@ -122,14 +122,17 @@ def load_model(
     profile: Profile | None = None,
     local_path: str | os.PathLike | None = None,
     seed: int = 0,
+    quiet: bool = False,
 ) -> LoadedModel:
     """Load OPT for this profile (see the module docstring for the order things are tried in).
 
     ``seed`` seeds the random initialisation of a fallback model, so two calls give the same weights.
+    ``quiet`` (a folder only: lesson 09's workers, whose parent says what they load) prints no notice and no
+    loading bar.
     """
     profile = profile or get_profile()
     if local_path is not None:
-        loaded = _load_from_folder(Path(local_path))
+        loaded = _load_from_folder(Path(local_path), quiet=quiet)
     elif profile.name == "ci":
         why = "the ci profile never downloads; a tiny random OPT lets the course run in minutes."
         loaded = _random_model(tiny_opt_config(), seed, "random weights, tiny OPT (ci profile)", why=why)
@@ -139,20 +142,32 @@ def load_model(
     return loaded
 
 
-def _load_from_folder(path: Path) -> LoadedModel:
+def _load_from_folder(path: Path, quiet: bool = False) -> LoadedModel:
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
 
-    model = AutoModelForCausalLM.from_pretrained(path)
+    if quiet:
+        bars, verbosity = hf_logging.is_progress_bar_enabled(), hf_logging.get_verbosity()
+        hf_logging.disable_progress_bar()
+        hf_logging.set_verbosity_error()
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path)
+    finally:
+        if quiet:
+            hf_logging.set_verbosity(verbosity)
+            if bars:
+                hf_logging.enable_progress_bar()
     if _has_tokenizer_files(path):
         tokenizer = AutoTokenizer.from_pretrained(path)
     else:
         _check_byte_vocab(model.config)
         tokenizer = ByteTokenizer()
-        print_notice(
-            f"{path} holds no tokenizer files, so text is encoded with a byte-level tokenizer.",
-            "The weights ARE the folder's, but they never saw these token ids: expect gibberish text.",
-            "Memory and timing measurements are unaffected.",
-        )
+        if not quiet:
+            print_notice(
+                f"{path} holds no tokenizer files, so text is encoded with a byte-level tokenizer.",
+                "The weights ARE the folder's, but they never saw these token ids: expect gibberish text.",
+                "Memory and timing measurements are unaffected.",
+            )
     return LoadedModel(model, tokenizer, f"{path} (local folder)", True, model.config)
 
 

@@ -8,6 +8,12 @@ coefficients from a server's own measured steps (least squares, none negative); 
 (:func:`lesson_utils.serving.simulator.simulate` with ``step_cost=``) then advances its clock by the modelled
 cost of each step it plans, so a rate sweep that would take hours of real serving on a CPU takes seconds -
 and says it is a model, checked against the real run at the rate that ran.
+
+:class:`ChunkCost` is lesson 08's view of the same steps: ``fixed + per_decode x decodes + per_prompt_token x
+prompt tokens + per_token_squared x (tokens in the step)^2``. The squared term is there because on a CPU a
+step's cost per token is not constant: a 900-token step costs more per token than a 128-token one (lesson 08
+measures it). Causal attention scores the same query-key pairs however a prompt is cut, so what grows is the
+size of one step's work, not the work in total.
 """
 
 from __future__ import annotations
@@ -36,7 +42,13 @@ class StepWork:
         return cls(fed - plan.prefill_tokens, plan.prefill_tokens, sum(s.kv_len for s in plan.scheduled))
 
     def features(self) -> np.ndarray:
+        """Lesson 07's features (:class:`StepCost`)."""
         return np.array([1.0, self.decodes, self.prefill_tokens, self.context_tokens])
+
+    def chunk_features(self) -> np.ndarray:
+        """Lesson 08's features (:class:`ChunkCost`)."""
+        tokens = self.decodes + self.prefill_tokens
+        return np.array([1.0, self.decodes, self.prefill_tokens, tokens * tokens])
 
 
 def _nonnegative_least_squares(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -55,6 +67,19 @@ def _nonnegative_least_squares(a: np.ndarray, b: np.ndarray) -> np.ndarray:
         if residual < best_residual - 1e-15:
             best, best_residual = x, residual
     return best
+
+
+def _fit(a: np.ndarray, seconds) -> tuple[np.ndarray, float]:
+    """Non-negative least squares of ``seconds`` on the feature rows ``a``; the coefficients and the median
+    relative error of the fitted steps."""
+    y = np.asarray(seconds, dtype=float)
+    if len(a) != len(y):
+        raise ValueError(f"{len(a)} steps of work but {len(y)} timings")
+    if len(y) < a.shape[1]:
+        raise ValueError(f"fitting four coefficients needs at least four measured steps, got {len(y)}")
+    x = _nonnegative_least_squares(a, y)
+    err = np.abs(a @ x - y) / np.maximum(y, 1e-12)
+    return x, float(np.median(err))
 
 
 @dataclass(frozen=True)
@@ -77,15 +102,8 @@ class StepCost:
     @classmethod
     def fit(cls, works: list[StepWork], seconds: list[float]) -> "StepCost":
         """The least-squares fit (no coefficient negative) to measured steps; needs at least four."""
-        if len(works) != len(seconds):
-            raise ValueError(f"{len(works)} steps of work but {len(seconds)} timings")
-        if len(works) < 4:
-            raise ValueError(f"fitting four coefficients needs at least four measured steps, got {len(works)}")
-        a = np.stack([w.features() for w in works])
-        y = np.asarray(seconds, dtype=float)
-        x = _nonnegative_least_squares(a, y)
-        err = np.abs(a @ x - y) / np.maximum(y, 1e-12)
-        return cls(*map(float, x), num_steps=len(works), median_error=float(np.median(err)))
+        x, err = _fit(np.stack([w.features() for w in works]) if works else np.zeros((0, 4)), seconds)
+        return cls(*map(float, x), num_steps=len(works), median_error=err)
 
     def describe(self) -> str:
         return (
@@ -93,3 +111,70 @@ class StepCost:
             f"{self.per_prefill_token_s * 1e3:.3f} ms per prompt token + {self.per_context_token_s * 1e6:.2f} µs "
             f"per context token (fitted to {self.num_steps} steps; median step error {100 * self.median_error:.0f} %)"
         )
+
+
+@dataclass(frozen=True)
+class ChunkCost:
+    """Seconds a step costs as lesson 08 models it: fixed + per decode + per prompt token + per (tokens in the
+    step)^2 (module docstring). With ``per_token_squared_s > 0`` a prompt costs less in chunks than whole."""
+
+    fixed_s: float
+    per_decode_s: float
+    per_prompt_token_s: float
+    per_token_squared_s: float
+    num_steps: int = 0
+    median_error: float = float("nan")
+
+    def __call__(self, work: StepWork) -> float:
+        return float(self.coefficients() @ work.chunk_features())
+
+    def coefficients(self) -> np.ndarray:
+        return np.array([self.fixed_s, self.per_decode_s, self.per_prompt_token_s, self.per_token_squared_s])
+
+    @classmethod
+    def fit(cls, works: list[StepWork], seconds: list[float]) -> "ChunkCost":
+        """The least-squares fit (no coefficient negative) to measured steps; needs at least four."""
+        x, err = _fit(np.stack([w.chunk_features() for w in works]) if works else np.zeros((0, 4)), seconds)
+        return cls(*map(float, x), num_steps=len(works), median_error=err)
+
+    def per_prompt_token_at(self, chunk: int, decodes: int) -> float:
+        """What one prompt token adds to a step that computes ``chunk`` prompt tokens beside ``decodes`` decodes:
+        (cost of that step - cost of the decodes alone) / chunk."""
+        with_chunk = self(StepWork(decodes, chunk, 0))
+        return (with_chunk - self(StepWork(decodes, 0, 0))) / chunk
+
+    def describe(self) -> str:
+        return (
+            f"{self.fixed_s * 1e3:.1f} ms + {self.per_decode_s * 1e3:.2f} ms per decode + "
+            f"{self.per_prompt_token_s * 1e3:.3f} ms per prompt token + {self.per_token_squared_s * 1e6:.3f} µs x "
+            f"(tokens in the step)² (fitted to {self.num_steps} steps; median step error {100 * self.median_error:.0f} %)"
+        )
+
+
+@dataclass
+class MeasuredSteps:
+    """Measured step times grouped by the work they did - ``(decodes, prompt tokens)`` - for the steps a fit
+    is checked against. Invariant: every group holds at least one sample."""
+
+    groups: dict[tuple[int, int], list[float]]
+
+    @classmethod
+    def of(cls, works: list[StepWork], seconds: list[float]) -> "MeasuredSteps":
+        if len(works) != len(seconds):
+            raise ValueError(f"{len(works)} steps of work but {len(seconds)} timings")
+        groups: dict[tuple[int, int], list[float]] = {}
+        for w, s in zip(works, seconds):
+            groups.setdefault((w.decodes, w.prefill_tokens), []).append(float(s))
+        return cls(groups)
+
+    def samples(self, decodes: int, prompt_tokens: int) -> list[float]:
+        return list(self.groups.get((decodes, prompt_tokens), []))
+
+    def median(self, decodes: int, prompt_tokens: int, min_samples: int = 3) -> float | None:
+        """The median time of the steps that did exactly this work, or None with fewer than ``min_samples``."""
+        s = self.samples(decodes, prompt_tokens)
+        return float(np.median(s)) if len(s) >= min_samples else None
+
+    def prompt_sizes(self, decodes: int, min_samples: int = 3) -> list[int]:
+        """The prompt-token counts measured beside ``decodes`` decodes often enough, ascending (0 included)."""
+        return sorted(k for (d, k), s in self.groups.items() if d == decodes and len(s) >= min_samples)

@@ -251,22 +251,26 @@ class Engine:
 
     # ---- serving --------------------------------------------------------------------------------------
     def run(self, progress: bool = False, total: int | None = None) -> None:
+        """Step until nothing is left. ``progress`` shows a bar of the tokens computed (prompt tokens and
+        decodes; it moves every step, so a slow step - a long prompt in the Triton interpreter - shows);
+        ``total`` is the tokens expected, when known (a stop at EOS ends the bar early, a recompute adds)."""
         bar = None
         if progress:
             from tqdm.auto import tqdm
 
-            bar = tqdm(total=total, desc="serving", unit="seq", leave=False)
+            bar = tqdm(total=total, desc="serving", unit="token", leave=False)
         while self.scheduler.has_work:
-            done = self.step()
+            self.step()
             if bar is not None:
-                bar.update(len(done))
+                bar.update(self.stats[-1].tokens)
         if bar is not None:
             bar.close()
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int, progress: bool = False) -> list[list[int]]:
         """Serve every prompt (all arriving now); returns the generated ids of each, in order."""
         seqs = [self.add_request(p, max_new_tokens) for p in prompts]
-        self.run(progress, total=len(seqs))
+        # every prompt token, then every new token but the last (its K/V is never needed)
+        self.run(progress, total=sum(len(p) + max_new_tokens - 1 for p in prompts))
         return [s.output_ids for s in seqs]
 
     def beam_search(self, prompt_ids: list[int], beam_width: int, max_new_tokens: int) -> tuple[list[int], dict]:

@@ -136,6 +136,46 @@ def queries_at_the_start(q, k_cache, v_cache, table, ctx, scale):
     return torch.einsum("hqk,khd->qhd", s.masked_fill(mask, -math.inf).softmax(-1), v).to(q.dtype)
 
 
+def _masked(q, k, v, scale, visible, interleave=True):
+    group = q.shape[1] // k.shape[1]
+    if interleave:
+        k, v = k.float().repeat_interleave(group, 1), v.float().repeat_interleave(group, 1)
+    else:
+        k, v = k.float().repeat(1, group, 1), v.float().repeat(1, group, 1)
+    s = torch.einsum("qhd,khd->hqk", q.float(), k) * scale
+    kpos = torch.arange(k.shape[0], device=q.device)[None, :]
+    return torch.einsum("hqk,khd->qhd", s.masked_fill(~visible(kpos), -math.inf).softmax(-1), v).to(q.dtype)
+
+
+def _qpos(q, ctx):
+    return torch.arange(q.shape[0], device=q.device)[:, None] + ctx - q.shape[0]
+
+
+def not_its_own_key(q, k_cache, v_cache, table, ctx, scale):  # strict <: a whole prompt's first row sees nothing
+    k, v = _gathered(k_cache, v_cache, table, ctx)
+    return _masked(q, k, v, scale, lambda kp: kp < _qpos(q, ctx))
+
+
+def one_key_too_many(q, k_cache, v_cache, table, ctx, scale):
+    k, v = _gathered(k_cache, v_cache, table, ctx)
+    return _masked(q, k, v, scale, lambda kp: kp <= _qpos(q, ctx) + 1)
+
+
+def whole_blocks(q, k_cache, v_cache, table, ctx, scale):  # every slot of every block, as if all held tokens
+    slots = len(table) * k_cache.shape[1]
+    k, v = _gathered(k_cache, v_cache, table, slots)
+    return _masked(q, k, v, scale, lambda kp: kp <= _qpos(q, slots))
+
+
+def heads_repeated(q, k_cache, v_cache, table, ctx, scale):  # repeat, not repeat_interleave: head h reads h % kv
+    k, v = _gathered(k_cache, v_cache, table, ctx)
+    return _masked(q, k, v, scale, lambda kp: kp <= _qpos(q, ctx), interleave=False)
+
+
+def softmax_in_fp16(q, k_cache, v_cache, table, ctx, scale):  # scores in q's dtype, and the scale applied twice
+    return attention.chunk_attention(q, k_cache, v_cache, table, ctx, scale * scale)
+
+
 def blocks_in_order(q, k_cache, v_cache, table, ctx, scale):  # ignores the table
     return attention.chunk_attention(q, k_cache, v_cache, list(range(len(table))), ctx, scale)
 
@@ -157,8 +197,13 @@ def writes_the_cache(q, k_cache, v_cache, table, ctx, scale):
 @pytest.mark.parametrize(
     "fn, needle",
     [
-        (no_causal_rule, "the causal rule is missing"),
-        (queries_at_the_start, "not the first"),
+        (no_causal_rule, "which keys lie in a query's future"),
+        (queries_at_the_start, "start of the sequence"),
+        (not_its_own_key, "its own"),
+        (one_key_too_many, "one key too many"),
+        (whole_blocks, "run past context_len"),
+        (heads_repeated, "wrong K/V heads"),
+        (softmax_in_fp16, "expected"),
         (blocks_in_order, "expected"),
         (no_scale, "expected"),
         (float32_out, "dtype"),
@@ -187,11 +232,29 @@ def wrong_shape(query_pos, key_pos, context_len):
     return key_pos < tl.max(query_pos, 0) + context_len * 0
 
 
+@triton.jit
+def future_only(query_pos, key_pos, context_len):
+    return (key_pos[None, :] >= query_pos[:, None]) & (key_pos[None, :] < context_len)
+
+
+@triton.jit
+def transposed(query_pos, key_pos, context_len):
+    return (key_pos[:, None] <= query_pos[None, :]) & (key_pos[:, None] < context_len)
+
+
+@triton.jit
+def chunk_relative(query_pos, key_pos, context_len):  # positions counted from the chunk's first query
+    return key_pos[None, :] <= query_pos[:, None] - tl.min(query_pos, 0)
+
+
 @pytest.mark.parametrize(
     "fn, needle",
     [
-        (sees_everything, "which keys may that query see"),
-        (not_itself, "which keys may that query see"),
+        (sees_everything, "which keys may that query use"),
+        (not_itself, "which keys may that query use"),
+        (future_only, "case"),
+        (transposed, "case"),
+        (chunk_relative, "which keys may that query use"),
         (wrong_shape, "case"),
     ],
 )

@@ -106,9 +106,43 @@ def accepts_nonsense(seq_id, table, n, bs, allocate, release):
     return TransferPlan(seq_id, n, src, dst)
 
 
+def gives_back_twice(seq_id, table, n, bs, allocate, release):  # rolls back, then "to be sure" again
+    src, dst = table[: -(-n // bs)], []
+    try:
+        for _ in src:
+            dst.append(allocate())
+    except OutOfBlocks:
+        for b in dst + dst:
+            release(b)
+        raise
+    return TransferPlan(seq_id, n, src, dst)
+
+
+def its_own_error(seq_id, table, n, bs, allocate, release):  # the caller waits on OutOfBlocks, not on this
+    try:
+        return transfer_plan(seq_id, table, n, bs, allocate, release)
+    except OutOfBlocks as err:
+        raise RuntimeError("the decode side is full") from err
+
+
+def refuses_with_a_type_error(seq_id, table, n, bs, allocate, release):
+    if n < 1 or bs < 1:
+        raise TypeError("bad request")
+    return transfer_plan(seq_id, table, n, bs, allocate, release)
+
+
+def a_short_table_sends_what_there_is(seq_id, table, n, bs, allocate, release):  # too few blocks: sends them all
+    p = transfer_plan(seq_id, table, min(n, len(table) * bs) if bs > 0 else n, bs, allocate, release)
+    return TransferPlan(seq_id, n, p.src_blocks, p.dst_blocks)
+
+
 @pytest.mark.parametrize(
     "fn, needle",
     [
+        (gives_back_twice, "came back twice"),
+        (its_own_error, "expected the OutOfBlocks to come through"),
+        (refuses_with_a_type_error, "expected a ValueError"),
+        (a_short_table_sends_what_there_is, "1-block table"),
         (full_blocks_only, "partly filled"),
         (whole_table, "blocks the prompt does not fill"),
         (reversed_destinations, "lined up with them"),

@@ -134,3 +134,53 @@ def test_check_messages_in_a_live_notebook_are_marked_html_with_a_plain_fallback
     assert "\u2705" in shown[0]["text/html"] and "\u274c" in shown[1]["text/html"]
     assert "a &lt; b" in shown[1]["text/html"]  # escaped
     assert shown[1]["text/plain"].startswith("[try again]")
+
+
+def test_setup_shows_one_widget_in_a_live_kernel_and_none_headless(monkeypatch, fresh_profile):
+    """The first widget of a kernel leaves JupyterLab saying "Idle": setup shows it, so later long cells say "Busy"."""
+    import IPython
+    import IPython.display
+    import ipywidgets
+
+    class ZMQInteractiveShell:
+        pass
+
+    shown = []
+    monkeypatch.setattr(IPython.display, "display", lambda obj, **kw: shown.append(obj))
+    monkeypatch.setenv("COURSE_PROFILE", "ci")
+    monkeypatch.setenv("COURSE_HEADLESS", "1")
+    monkeypatch.setattr(IPython, "get_ipython", lambda: ZMQInteractiveShell())
+    env.setup()
+    assert shown == []  # headless (the runner, CI): nothing
+    monkeypatch.delenv("COURSE_HEADLESS")
+    monkeypatch.setattr(IPython, "get_ipython", lambda: None)
+    env.setup()
+    assert shown == []  # a plain Python process: nothing
+    monkeypatch.setattr(IPython, "get_ipython", lambda: ZMQInteractiveShell())
+    env.setup()
+    assert len(shown) == 1 and isinstance(shown[0], ipywidgets.HTML)
+
+
+def test_the_static_picture_is_the_moment_the_slider_starts_at(monkeypatch, capsys):
+    """interact starts a slider at the function's own default: the saved picture must show that moment too."""
+    import ipywidgets
+
+    monkeypatch.delenv("COURSE_HEADLESS", raising=False)
+    started = []
+
+    def fake_interact(fn, **controls):  # what ipywidgets does: the function's default, if any, is the start
+        import inspect
+
+        started.append(inspect.signature(fn).parameters["moment"].default)
+
+    monkeypatch.setattr(ipywidgets, "interact", fake_interact)
+    drawn = []
+
+    def show(moment=9, other="x"):
+        drawn.append((moment, other))
+
+    plotting.interactive(show, moment=(0, 9, 1), other=["y", "x"])
+    assert drawn == [(9, "x")] and started == [9]
+    monkeypatch.setenv("COURSE_HEADLESS", "1")
+    plotting.interactive(lambda a: drawn.append(a), a=(0, 10))
+    assert drawn[-1] == 5  # no default of its own: the control's middle, as interact does

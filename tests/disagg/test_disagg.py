@@ -97,6 +97,29 @@ def test_two_workers_on_the_loopback_serve_hfs_tokens(tiny, saved_model):
 
 
 @pytest.mark.slow
+def test_both_workers_warm_up_before_the_clock_quietly_and_time_the_hand_over_in_stages(tiny, saved_model, capfd):
+    """Each worker serves one request of its own before the barrier (its cold start is not in the first TTFT),
+    the workers print nothing while loading (no loading bar, no notice), and every request's hand-over is
+    reported as staging + transfer + unpack."""
+    model, w = tiny
+    requests = _requests(1)
+    result = run_disaggregated(DisaggConfig(model_dir=saved_model, num_blocks=32, block_size=4, timeout_s=20), requests)
+    assert set(result.warmup_s) == {"prefill", "decode"} and all(s > 0 for s in result.warmup_s.values())
+    assert result.warm_before_start
+    for req_id, prompt, n in requests:
+        assert result.outputs[req_id] == hf_greedy(model, prompt, n, w.eos_token_id), f"request {req_id}"
+        stages = (result.pack_s[req_id], result.recv_s[req_id], result.unpack_s[req_id])
+        assert all(s > 0 for s in stages) and result.handover_s(req_id) == pytest.approx(sum(stages))
+    assert result.all_blocks_free
+    out, err = capfd.readouterr()
+    assert "Loading weights" not in out + err and "NOTICE" not in out + err, (out + err)[-2000:]
+    cold = run_disaggregated(
+        DisaggConfig(model_dir=saved_model, num_blocks=32, block_size=4, timeout_s=20, warmup=False), requests
+    )
+    assert cold.warmup_s == {} and cold.outputs == result.outputs
+
+
+@pytest.mark.slow
 def test_a_request_of_one_new_token_is_not_decoded_after_the_hand_over(tiny, saved_model):
     """Its first token (the prefill's) ends it: the decode side reports it finished and decodes nothing more."""
     model, w = tiny

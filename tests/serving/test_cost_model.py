@@ -15,7 +15,7 @@ from lesson_utils.memory import reservation
 from lesson_utils.memory.block_manager import BlockManager
 from lesson_utils.memory.sharing import SharingBlockManager
 from lesson_utils.serving import simulator
-from lesson_utils.serving.cost_model import StepCost, StepWork
+from lesson_utils.serving.cost_model import ChunkCost, MeasuredSteps, StepCost, StepWork
 from lesson_utils.serving.engine import Engine
 from lesson_utils.serving.scheduler import FCFSScheduler
 from lesson_utils.types import Request, Sequence
@@ -28,6 +28,35 @@ def test_the_fit_recovers_the_coefficients_of_a_linear_cost():
     fit = StepCost.fit(works, [truth(w) for w in works])
     assert np.allclose(fit.coefficients(), truth.coefficients(), rtol=1e-6)
     assert fit.num_steps == 40 and fit.median_error < 1e-9
+
+
+def test_the_chunk_fit_recovers_its_coefficients_and_prices_a_whole_prompt_above_its_chunks():
+    rng = np.random.default_rng(1)
+    works = [StepWork(int(d), int(n), 0) for d, n in rng.integers(0, 300, (40, 2))]
+    truth = ChunkCost(0.03, 0.007, 0.0015, 2e-6)
+    fit = ChunkCost.fit(works, [truth(w) for w in works])
+    assert np.allclose(fit.coefficients(), truth.coefficients(), rtol=1e-6)
+    assert fit.num_steps == 40 and fit.median_error < 1e-9
+    # a 900-token prompt beside 8 decodes: whole in one step, or in chunks of 100 over nine steps
+    whole = truth(StepWork(8, 900, 0)) - truth(StepWork(8, 0, 0))
+    chunks = 9 * (truth(StepWork(8, 100, 0)) - truth(StepWork(8, 0, 0)))
+    assert whole > chunks
+    assert truth.per_prompt_token_at(900, 8) == pytest.approx(whole / 900)
+    assert truth.per_prompt_token_at(100, 8) == pytest.approx(chunks / 900)
+    linear = ChunkCost(0.03, 0.007, 0.0015, 0.0)  # without the squared term, cutting a prompt changes nothing
+    assert linear.per_prompt_token_at(900, 8) == pytest.approx(linear.per_prompt_token_at(100, 8))
+
+
+def test_measured_steps_group_by_work_and_need_enough_samples():
+    works = [StepWork(8, 0, 0)] * 3 + [StepWork(8, 120, 0)] * 2 + [StepWork(7, 0, 0)] * 4
+    seconds = [0.1, 0.3, 0.2, 1.0, 2.0, 0.5, 0.5, 0.5, 0.7]
+    m = MeasuredSteps.of(works, seconds)
+    assert m.median(8, 0) == pytest.approx(0.2)
+    assert m.median(8, 120) is None and m.median(8, 120, min_samples=2) == pytest.approx(1.5)
+    assert m.median(8, 999) is None
+    assert m.prompt_sizes(8) == [0] and m.prompt_sizes(8, min_samples=2) == [0, 120] and m.prompt_sizes(7) == [0]
+    with pytest.raises(ValueError, match="timings"):
+        MeasuredSteps.of(works, seconds[:-1])
 
 
 def test_no_coefficient_is_negative():
