@@ -36,7 +36,7 @@ def test_a_copy_is_removed_when_asked_and_a_second_copy_replaces_the_first(tmp_p
     second = ModelCopy(_Saves(), root=tmp_path)
     assert not first.exists and _ours(tmp_path) == [Path(second.path)]  # at most one per process
     with pytest.raises(FileNotFoundError, match="run the cell that saves it again"):
-        first.path
+        _ = first.path
     second.remove()
     second.remove()  # idempotent
     assert _ours(tmp_path) == []
