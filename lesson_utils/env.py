@@ -230,6 +230,11 @@ def setup(seed: int = 0) -> Profile:
     return p
 
 
+def is_headless() -> bool:
+    """True when the notebook runs without a browser (``COURSE_HEADLESS=1``, set by the course's runner)."""
+    return os.environ.get("COURSE_HEADLESS", "").lower() not in ("", "0", "false")
+
+
 def show_first_widget(p: Profile) -> bool:
     """In a live Jupyter kernel, display one small widget; returns whether it did.
 
@@ -237,8 +242,6 @@ def show_first_widget(p: Profile) -> bool:
     second widget cell shows "Busy"), and the first such cell is often a long one (its progress bar is the
     widget). Displaying one here, in the quick setup cell, makes every later long cell show "Busy". Nothing is
     shown headless (the course's runner, CI) or outside Jupyter."""
-    from .plotting import is_headless
-
     if is_headless():
         return False
     try:

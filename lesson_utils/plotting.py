@@ -10,11 +10,11 @@
 
 from __future__ import annotations
 
-import os
 from typing import Any, Callable
 
 import matplotlib
 
+from lesson_utils.env import is_headless  # noqa: F401 - re-exported: the course's one headless test
 from lesson_utils.types import SlotKind
 
 # The four kinds of KV-cache memory (lesson 02) and a few more, one colour each across the course.
@@ -60,10 +60,6 @@ def measured_title(text: str, profile=None) -> str:
 def simulated_title(text: str) -> str:
     """Titles of exact byte-accounting experiments: they hold on any device."""
     return f"{text}\nsimulated (exact memory accounting at T4 scale; no model was run)"
-
-
-def is_headless() -> bool:
-    return os.environ.get("COURSE_HEADLESS", "").lower() not in ("", "0", "false")
 
 
 def _default_of(control: Any) -> Any:
