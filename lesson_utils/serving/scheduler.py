@@ -22,7 +22,7 @@ from lesson_utils.serving import sampling
 from lesson_utils.serving.forks import fork_samples
 from lesson_utils.serving.output import RunnerOutput, StepPlan
 from lesson_utils.serving.preemption import PreemptionEvent, most_recently_admitted, reset_for_recompute
-from lesson_utils.serving.token_budget import ChunkedPrefill, TokenState, check_chunks, whole_prompts
+from lesson_utils.serving.token_budget import ChunkedPrefill, QueueView, TokenState, check_chunks, whole_prompts
 from lesson_utils.types import MemoryManager, OutOfBlocks, Sequence, SequenceStatus
 
 
@@ -182,12 +182,12 @@ class FCFSScheduler:
             return seq.kv_len
 
         state = [TokenState(s.seq_id, s.kv_len, s.len) for s in self.running]
-        queue = [] if self.swapped else [TokenState(s.seq_id, s.kv_len, s.len) for s in self.waiting]
+        queue = QueueView([] if self.swapped else list(self.waiting))
         try:  # (swapped sequences come back before anyone new is admitted)
             chunks = self.plan_fn(state, queue, self.max_num_batched_tokens, admit)
             name = getattr(self.plan_fn, "__name__", type(self.plan_fn).__name__)
             budget = self.max_num_batched_tokens if self.chunked else None  # whole prompts may pass a budget alone
-            seqs = check_chunks(chunks, self.running, [s.seq_id for s in self.waiting], budget, name)
+            seqs = check_chunks(chunks, self.running, (s.seq_id for s in self.waiting), budget, name)
         except BaseException:  # a refused (or crashing) plan leaves the scheduler as it found it
             self._undo_admissions(admitted, saved)
             raise

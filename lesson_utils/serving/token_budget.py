@@ -18,6 +18,8 @@ decode gets one token, a prompt gets a chunk - and admits waiting requests throu
 
 from __future__ import annotations
 
+from collections import abc
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Callable
 
@@ -29,6 +31,48 @@ class TokenState:
     seq_id: int
     computed: int
     length: int
+
+
+class QueueView(abc.Sequence):
+    """The waiting queue as a plan function reads it: a list of :class:`TokenState` made on access.
+
+    A saturated stream keeps thousands of requests waiting while a step admits a few; building every one's
+    ``TokenState`` each step made the simulator's steps cost the queue's length. The view holds a snapshot of
+    the queue (admissions during the step do not shift it) and reads like a list: indexing, slices, ``len``,
+    iteration, ``+`` with a list, ``copy()``. It cannot be changed."""
+
+    def __init__(self, seqs: list):
+        self._seqs = seqs
+
+    def __len__(self) -> int:
+        return len(self._seqs)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self._state(s) for s in self._seqs[i]]
+        return self._state(self._seqs[i])
+
+    def __iter__(self):
+        return (self._state(s) for s in self._seqs)
+
+    @staticmethod
+    def _state(seq) -> TokenState:
+        return TokenState(seq.seq_id, seq.kv_len, seq.len)
+
+    def copy(self) -> list[TokenState]:
+        return list(self)
+
+    def __add__(self, other) -> list[TokenState]:
+        return list(self) + list(other)
+
+    def __radd__(self, other) -> list[TokenState]:
+        return list(other) + list(self)
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, (list, tuple, QueueView)) and list(self) == list(other)
+
+    def __repr__(self) -> str:
+        return f"QueueView({list(self)!r})" if len(self) <= 8 else f"QueueView(<{len(self)} waiting>)"
 
 
 @dataclass(frozen=True)
@@ -114,7 +158,7 @@ class ChunkedPrefill:
             )
 
 
-def check_chunks(chunks, running: list, waiting_ids: list[int], budget: int | None, name: str) -> list:
+def check_chunks(chunks, running: list, waiting_ids: Iterable[int], budget: int | None, name: str) -> list:
     """The running sequence of every chunk of a plan, or a clear error naming the plan function ``name`` for a plan
     the engine cannot run: not a list of :class:`Chunk`, a chunk for a sequence that is not running (or does not
     exist), two chunks for one sequence, a range that is not the next one, more tokens than ``budget``."""
@@ -123,7 +167,6 @@ def check_chunks(chunks, running: list, waiting_ids: list[int], budget: int | No
             f"the plan function {name} must return a list of Chunk(seq_id, start, end), got {type(chunks).__name__}"
         )
     by_id = {s.seq_id: s for s in running}
-    waiting = set(waiting_ids)
     seqs, total, seen = [], 0, set()
     for i, c in enumerate(chunks):
         if not isinstance(c, Chunk):
@@ -138,7 +181,7 @@ def check_chunks(chunks, running: list, waiting_ids: list[int], budget: int | No
         seen.add(c.seq_id)
         seq = by_id.get(c.seq_id)
         if seq is None:
-            if c.seq_id in waiting:
+            if c.seq_id in set(waiting_ids):  # read only here: the queue can be long
                 raise ValueError(
                     f"chunk {c} from {name}: sequence {c.seq_id} is waiting, not running - it gets a chunk only "
                     f"after admit({c.seq_id}) returned a number"

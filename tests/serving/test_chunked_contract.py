@@ -15,7 +15,7 @@ from lesson_utils.memory.sharing import SharingBlockManager
 from lesson_utils.serving import simulator
 from lesson_utils.serving.scheduler import FCFSScheduler, most_recently_admitted
 from lesson_utils.serving.step import serve_step
-from lesson_utils.serving.token_budget import Chunk, ChunkedPrefill, budgeted_schedule
+from lesson_utils.serving.token_budget import Chunk, ChunkedPrefill, QueueView, TokenState, budgeted_schedule
 from lesson_utils.types import Request, Sequence
 
 
@@ -178,3 +178,32 @@ def test_a_plan_that_raises_leaves_the_scheduler_as_it_was():
     with pytest.raises(ZeroDivisionError):
         sch.schedule(0)
     assert _state(sch, manager) == before
+
+
+def test_the_plan_reads_the_waiting_queue_through_a_list_like_view():
+    seqs = [Sequence(Request(i, 0.0, 3 + i, 2, prompt_ids=[5] * (3 + i))) for i in range(4)]
+    view = QueueView(seqs)
+    states = [TokenState(i, 0, 3 + i) for i in range(4)]
+    assert len(view) == 4 and view[1] == states[1] and view[-1] == states[-1] and view[1:3] == states[1:3]
+    assert list(view) == states and view == states and view.copy() == states
+    assert [TokenState(9, 0, 1)] + view == [TokenState(9, 0, 1)] + states and view + [] == states
+    with pytest.raises(TypeError):
+        view[0] = states[0]  # read-only
+    assert "QueueView" in repr(view)
+
+
+def test_a_step_reads_only_the_head_of_a_long_queue(monkeypatch):
+    """A saturated stream keeps thousands waiting; one step must cost what it admits, not the queue's length
+    (counted: the token states built for the plan)."""
+    made = []
+    init = TokenState.__init__
+
+    def counting_init(self, *args, **kwargs):
+        made.append(args)
+        init(self, *args, **kwargs)
+
+    monkeypatch.setattr(TokenState, "__init__", counting_init)
+    reqs = [Request(i, 0.0, 30, 4) for i in range(5000)]
+    manager = BlockManager(16, 4, watermark=0.0)  # room for two of them
+    simulator.simulate(reqs, manager, step_time_s=0.01, max_steps=3, progress=False)
+    assert len(made) < 50, f"the plan built {len(made)} token states for a queue of 5000 in 3 steps"
