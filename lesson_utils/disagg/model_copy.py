@@ -7,7 +7,9 @@ temporary folder - about 0.5 GB for OPT-125m in fp32. Invariants:
 * a copy is removed by :meth:`ModelCopy.remove` (also as a context manager), by the next copy this process
   makes, or when the process exits normally (``weakref.finalize`` runs at exit);
 * a copy left by a process that is gone (a kernel killed before it could clean up) is removed the next time
-  any process makes a copy: each folder's name carries the pid that made it.
+  any process makes a copy: each folder's name carries the pid that made it. Copies made before names carried
+  a pid (``course-opt-XXXXXXXX``, never removed by the course's earlier versions) are removed once they are an
+  hour old.
 """
 
 from __future__ import annotations
@@ -15,10 +17,12 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+import time
 import weakref
 from pathlib import Path
 
 PREFIX = "course-opt-"
+LEGACY_AGE_S = 3600.0  # a copy without a pid in its name is stale once it is this old
 
 _made: list["ModelCopy"] = []  # this process's live copies
 
@@ -34,19 +38,30 @@ def _pid_alive(pid: int) -> bool:
 
 
 def _owner(folder: Path) -> int | None:
-    """The pid in ``course-opt-PID-xxxx``, or None for a name that is not one of ours."""
+    """The pid in ``course-opt-PID-xxxx``, or None for a name without one."""
     rest = folder.name[len(PREFIX) :]
-    pid, _, _ = rest.partition("-")
-    return int(pid) if pid.isdigit() else None
+    pid, dash, _ = rest.partition("-")
+    return int(pid) if dash and pid.isdigit() else None
+
+
+def _is_legacy(folder: Path) -> bool:
+    """``course-opt-`` and mkdtemp's 8 characters, no pid: what the course's earlier versions left behind."""
+    rest = folder.name[len(PREFIX) :]
+    return len(rest) == 8 and "-" not in rest
 
 
 def remove_stale(root: str | os.PathLike | None = None) -> list[Path]:
-    """Remove the copies in ``root`` (default: the system's temporary folder) whose process is gone; returns
-    them. Copies of live processes, this one included, are left alone."""
+    """Remove the copies in ``root`` (default: the system's temporary folder) whose process is gone, and legacy
+    copies over an hour old; returns them. Copies of live processes, this one included, are left alone."""
     removed = []
-    for folder in Path(root or tempfile.gettempdir()).glob(f"{PREFIX}*"):
+    now = time.time()
+    for folder in sorted(Path(root or tempfile.gettempdir()).glob(f"{PREFIX}*")):
+        if not folder.is_dir():
+            continue
         pid = _owner(folder)
-        if folder.is_dir() and pid is not None and pid != os.getpid() and not _pid_alive(pid):
+        dead = pid is not None and pid != os.getpid() and not _pid_alive(pid)
+        old_legacy = pid is None and _is_legacy(folder) and now - folder.stat().st_mtime > LEGACY_AGE_S
+        if dead or old_legacy:
             shutil.rmtree(folder, ignore_errors=True)
             removed.append(folder)
     return removed

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -70,11 +71,15 @@ def test_stale_copies_of_dead_processes_go_and_live_ones_stay(tmp_path):
     dead_pid = int(dead.stdout)  # that process has exited
     stale = tmp_path / f"{PREFIX}{dead_pid}-abc"
     live = tmp_path / f"{PREFIX}{os.getppid()}-def"  # our parent: alive
-    other = tmp_path / f"{PREFIX}notapid"
-    for d in (stale, live, other):
+    other = tmp_path / f"{PREFIX}notapid-x"
+    legacy_old, legacy_new = tmp_path / f"{PREFIX}ab12cd34", tmp_path / f"{PREFIX}ef56gh78"  # the old code's names
+    for d in (stale, live, other, legacy_old, legacy_new):
         d.mkdir()
-    assert remove_stale(tmp_path) == [stale]
-    assert not stale.exists() and live.exists() and other.exists()
+    two_hours_ago = time.time() - 7200
+    os.utime(legacy_old, (two_hours_ago, two_hours_ago))
+    assert sorted(remove_stale(tmp_path)) == sorted([legacy_old, stale])
+    assert not stale.exists() and not legacy_old.exists()
+    assert live.exists() and other.exists() and legacy_new.exists()  # a young legacy copy may still be in use
     copy = ModelCopy(_Saves(), root=tmp_path)  # making a copy cleans up too
     assert live.exists() and copy.exists
     copy.remove()
