@@ -50,9 +50,23 @@ class DisaggConfig:
     init_method: str = ""  # tcp://ADDR:PORT; run_disaggregated picks a free loopback port when empty
     num_blocks: int = 128
     block_size: int = 16
-    timeout_s: float = 20.0  # every wait on the other worker
+    timeout_s: float = 20.0  # every wait on the other worker once both have started
     stop_at_eos: bool = True
     warmup: bool = True  # each worker serves one request of its own before the clock starts
+    startup_s: float | None = None  # spawn, imports, model load and warm-up; None: the profile's (startup_budget_s)
+
+    def startup_budget_s(self) -> float:
+        """Seconds both workers get to start (a cold GPU runtime loading CUDA in two spawned processes takes tens
+        of seconds): ``startup_s``, or by profile gpu 180, cpu 90, ci 60."""
+        if self.startup_s is not None:
+            return float(self.startup_s)
+        from lesson_utils.env import get_profile
+
+        return float(get_profile().pick(gpu=180, cpu=90, ci=60))
+
+    def deadline_s(self) -> float:
+        """The whole run's bound in :func:`run_disaggregated`: start-up, then twice the per-wait timeout, plus 60 s."""
+        return self.startup_budget_s() + 2 * self.timeout_s + 60
 
 
 @dataclass(frozen=True)
@@ -60,6 +74,7 @@ class Faults:
     """Fault injection for the killed-worker demo and the tests (none by default): a worker that "crashes"."""
 
     prefill_dies_after_messages: int | None = None  # the prefill worker exits after sending this many messages
+    prefill_start_delay_s: float = 0.0  # the prefill worker starts this much later (a slow runtime start)
     decode_dies_after_adopting: int | None = None  # the decode worker exits after adopting this many requests
 
 
@@ -76,13 +91,18 @@ def _setup(cfg: DisaggConfig, rank: int):
     from lesson_utils.model.opt_forward import OPTWeights
 
     torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=cfg.init_method,
-        rank=rank,
-        world_size=2,
-        timeout=datetime.timedelta(seconds=cfg.timeout_s),
-    )
+    try:
+        dist.init_process_group(  # start-up's bound: the transfers get their own group with timeout_s (_start_clock)
+            "gloo",
+            init_method=cfg.init_method,
+            rank=rank,
+            world_size=2,
+            timeout=datetime.timedelta(seconds=cfg.startup_budget_s()),
+        )
+    except Exception as err:  # noqa: BLE001 - a rendezvous that timed out is reworded: what to raise
+        if "timed out" in str(err).lower() or isinstance(err, TimeoutError):
+            raise _late_start(cfg) from err
+        raise
     w = OPTWeights.from_hf(load_model(local_path=cfg.model_dir, quiet=True).model)
     manager = BlockManager(cfg.num_blocks, cfg.block_size, watermark=0.0, max_seq_len=w.max_positions)
     return w, manager, PagedKVCache.for_model(w, manager=manager)
@@ -96,6 +116,23 @@ def _warmup_prompt(w, cfg: DisaggConfig) -> list[int]:
     half the worker's cache (with the tokens it generates)."""
     n = max(1, min(WARMUP_PROMPT_LEN, cfg.num_blocks * cfg.block_size // 2 - WARMUP_NEW_TOKENS))
     return [w.bos_token_id] + [4 + i % (w.vocab_size - 4) for i in range(n - 1)]
+
+
+def _late_start(cfg: DisaggConfig) -> TimeoutError:
+    return TimeoutError(
+        f"the other worker did not start within {cfg.startup_budget_s():.0f} s (spawn, imports, model load, "
+        "warm-up): on a slow machine raise DisaggConfig.startup_s"
+    )
+
+
+def _start_clock(cfg: DisaggConfig):
+    """Wait for the other worker (bounded by the start-up budget), then make the group every transfer uses, its
+    waits bounded by ``timeout_s``. Returns that group."""
+    try:
+        dist.barrier()
+    except Exception as err:  # noqa: BLE001 - reworded: what to raise
+        raise _late_start(cfg) from err
+    return dist.new_group([PREFILL, DECODE], timeout=datetime.timedelta(seconds=cfg.timeout_s))
 
 
 def _warm_up_prefill(cfg: DisaggConfig, runner, manager, cache, results) -> None:
@@ -134,18 +171,22 @@ def prefill_worker(rank: int, cfg: DisaggConfig, requests: list[tuple], results,
     sent = 0
     manager = None
 
+    group = None
+
     def send(t: torch.Tensor) -> None:
         nonlocal sent
-        dist.send(t.contiguous(), DECODE)
+        dist.send(t.contiguous(), DECODE, group=group)
         sent += 1
         if faults.prefill_dies_after_messages is not None and sent >= faults.prefill_dies_after_messages:
             os._exit(17)  # a crash, as far as the other worker can tell
 
     try:
+        if faults.prefill_start_delay_s:
+            time.sleep(faults.prefill_start_delay_s)
         w, manager, cache = _setup(cfg, rank)
         runner = ModelRunner(w, cache)
         _warm_up_prefill(cfg, runner, manager, cache, results)
-        dist.barrier()  # both workers loaded and warm: the clock starts
+        group = _start_clock(cfg)  # both workers loaded and warm: the clock starts
         t0 = time.time()
         results.put(("start", t0))
         for req_id, prompt, max_new, *arrival in requests:
@@ -173,23 +214,23 @@ def prefill_worker(rank: int, cfg: DisaggConfig, requests: list[tuple], results,
             dist.destroy_process_group()
 
 
-def _receive(inbox: queue.Queue, layers: int, block_shape: tuple, dtype: torch.dtype, pin: bool) -> None:
+def _receive(inbox: queue.Queue, layers: int, block_shape: tuple, dtype: torch.dtype, pin: bool, group) -> None:
     """The decode worker's receiving thread: blocking receives (gloo's asynchronous ones do not report completion
     until waited on), each bounded by the process group's timeout; every request, the end of the stream (None) or
     the error goes into ``inbox`` for the main thread, which owns the cache."""
     try:
         while True:
             header = torch.zeros(5, dtype=torch.int64)
-            dist.recv(header, PREFILL)
+            dist.recv(header, PREFILL, group=group)
             req_id, num_tokens, first, max_new, num_blocks = header.tolist()
             if req_id == END:
                 inbox.put(None)
                 return
             meta = torch.zeros(num_blocks + num_tokens, dtype=torch.int64)
-            dist.recv(meta, PREFILL)
+            dist.recv(meta, PREFILL, group=group)
             payload = torch.empty((2, layers, num_blocks) + block_shape, dtype=dtype, pin_memory=pin)
             t = time.perf_counter()
-            dist.recv(payload, PREFILL)
+            dist.recv(payload, PREFILL, group=group)
             inbox.put((req_id, num_tokens, first, max_new, meta, payload, time.perf_counter() - t))
     except Exception as err:  # noqa: BLE001 - handed to the main thread, which fails cleanly
         inbox.put(err)
@@ -210,12 +251,14 @@ def decode_worker(rank: int, cfg: DisaggConfig, results, faults: Faults = Faults
         eos = w.eos_token_id if cfg.stop_at_eos else None
         k0 = cache.k_cache[0]
         _warm_up_decode(cfg, w, engine, results)
-        dist.barrier()
+        group = _start_clock(cfg)
         step_times: list[float] = [float("nan")] * len(engine.stats)  # the end of every step (warm-up's: unknown)
         adopted_at: dict[int, float] = {}
         inbox: queue.Queue = queue.Queue()
         threading.Thread(
-            target=_receive, args=(inbox, len(cache.k_cache), tuple(k0.shape[1:]), k0.dtype, k0.is_cuda), daemon=True
+            target=_receive,
+            args=(inbox, len(cache.k_cache), tuple(k0.shape[1:]), k0.dtype, k0.is_cuda, group),
+            daemon=True,
         ).start()
         stream_open = True
         while stream_open or engine.scheduler.has_work:
@@ -380,7 +423,7 @@ def run_disaggregated(
     cfg: DisaggConfig, requests: list[tuple[int, list[int], int]], faults: Faults = Faults()
 ) -> DisaggResult:
     """Start both workers (spawned processes), collect their results; raise :class:`DisaggError` if either dies
-    or stalls (within about ``2 x cfg.timeout_s``), after stopping the other. Bad requests are refused first
+    or stalls (within ``cfg.deadline_s()``: start-up budget + 2 x timeout_s + 60 s), after stopping the other. Bad requests are refused first
     (:func:`check_requests`), with the model's vocabulary and positions read from ``cfg.model_dir``."""
     import torch.multiprocessing as mp
     from transformers import AutoConfig
@@ -399,7 +442,7 @@ def run_disaggregated(
     for p in procs.values():
         p.start()
     got = _Collected()
-    deadline = time.monotonic() + 2 * cfg.timeout_s + 60  # start-up (spawn, imports, model) included
+    deadline = time.monotonic() + cfg.deadline_s()  # start-up (spawn, imports, model, warm-up) included
     try:
         while len(got.finished) < 2 and not got.errors:
             try:
@@ -409,7 +452,12 @@ def run_disaggregated(
                     _drain(results, got, wait_s=cfg.timeout_s + 5)  # the other worker's report, bounded
                     break
                 if time.monotonic() > deadline:
-                    got.errors.append(f"the workers did not finish within {2 * cfg.timeout_s + 60:.0f} s (stuck?)")
+                    got.errors.append(
+                        f"the workers did not finish within {cfg.deadline_s():.0f} s (stuck?): the bound is "
+                        f"DisaggConfig.startup_s ({cfg.startup_budget_s():.0f} s: spawn, imports, model load, "
+                        f"warm-up) + 2 x timeout_s ({cfg.timeout_s:.0f} s: every wait on the other worker) + 60 s; "
+                        "on a slow machine raise startup_s, for a long workload timeout_s"
+                    )
                     break
     finally:
         for p in procs.values():

@@ -1,4 +1,5 @@
-"""Lesson 04: compile the course's kernels ahead of time for a T4 (sm_75) and an A100 (sm_80), no GPU needed.
+"""Lesson 04: compile the course's kernels ahead of time for the GPUs the course may meet, no GPU needed: a T4
+(sm_75, Colab's free GPU), an A100 (sm_80), an L4 (sm_89, Colab and clouds) and an H100 (sm_90).
 
 ``triton.compile`` with a ``GPUTarget`` produces real PTX and a real cubin (assembled by Triton's bundled
 ptxas), so "does this kernel build for a T4, and does it fit?" is answerable on any machine. The report
@@ -23,7 +24,8 @@ from pathlib import Path
 T4_SHARED_LIMIT = 48 * 1024
 
 
-TARGETS = {"sm_75": 75, "sm_80": 80}
+TARGETS = {"sm_75": 75, "sm_80": 80, "sm_89": 89, "sm_90": 90}  # name -> compute capability
+TARGET_GPUS = {"sm_75": "T4", "sm_80": "A100", "sm_89": "L4", "sm_90": "H100"}
 
 
 @dataclass(frozen=True)
@@ -230,7 +232,8 @@ def _main() -> None:
 
 
 def compile_report(configs: list[KernelConfig] | None = None, timeout: int = 900) -> list[CompileResult]:
-    """Compile ``configs`` (default: :func:`course_configs`) for sm_75 and sm_80 in a clean subprocess."""
+    """Compile ``configs`` (default: :func:`course_configs`) for every target of ``TARGETS`` (sm_75, sm_80, sm_89,
+    sm_90) in a clean subprocess."""
     environ = dict(os.environ, TRITON_INTERPRET="0")  # "0", not unset: lesson_utils.env only fills it in when absent
     environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
     payload = json.dumps([asdict(c) for c in configs] if configs else None)

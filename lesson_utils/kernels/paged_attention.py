@@ -105,7 +105,8 @@ def paged_decode_kernel(
     acc = tl.zeros([HEAD_DIM_P], tl.float32)
     for start in range(0, context_len, TILE):
         slot, token_mask = SLOTS(block_tables_ptr + seq * stride_bt_seq, start, context_len, TILE, BLOCK_SIZE)
-        offsets = slot[:, None] * stride_slot + kv_head * stride_kv_head + d[None, :]
+        # 64-bit: slot * stride_slot passes 2**31 in a pool of ~2.8M OPT-125m slots (a large GPU's memory)
+        offsets = slot.to(tl.int64)[:, None] * stride_slot + kv_head * stride_kv_head + d[None, :]
         kv_mask = token_mask[:, None] & d_mask[None, :]
         k = tl.load(k_cache_ptr + offsets, mask=kv_mask, other=0.0).to(tl.float32)
         scores = tl.sum(k * q[None, :], 1) * scale

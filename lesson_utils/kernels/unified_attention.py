@@ -86,7 +86,8 @@ def unified_attention_kernel(
         for start in range(0, last, TILE):
             slot, key_exists = block_slots(block_tables_ptr + seq * stride_bt_seq, start, last, TILE, BLOCK_SIZE)
             key_pos = start + tl.arange(0, TILE)
-            offsets = slot[:, None] * stride_slot + kv_head * stride_kv_head + d[None, :]
+            # 64-bit: slot * stride_slot passes 2**31 in a pool of ~2.8M OPT-125m slots (a large GPU's memory)
+            offsets = slot.to(tl.int64)[:, None] * stride_slot + kv_head * stride_kv_head + d[None, :]
             kv_mask = key_exists[:, None] & d_mask[None, :]
             k = tl.load(k_cache_ptr + offsets, mask=kv_mask, other=0.0).to(tl.float32)  # [TILE, HEAD_DIM_P]
             v = tl.load(v_cache_ptr + offsets, mask=kv_mask, other=0.0).to(tl.float32)

@@ -178,3 +178,43 @@ def test_a_decode_worker_dying_fails_clearly_and_the_prefill_side_frees_its_bloc
     message = str(err.value)
     assert "the decode worker exited with code 18" in message
     assert "the prefill worker failed" in message and "it freed its blocks: True" in message
+
+
+@pytest.mark.slow
+def test_a_slow_start_is_bounded_by_the_startup_budget_not_the_transfer_timeout(tiny, saved_model):
+    """A cold runtime (CUDA loading in two spawned processes) can take tens of seconds to start: that must not
+    trip the per-wait timeout, which only bounds the transfers once both workers have started."""
+    model, w = tiny
+    requests = _requests(2)
+    slow = Faults(prefill_start_delay_s=6.0)
+    result = run_disaggregated(
+        DisaggConfig(model_dir=saved_model, num_blocks=32, block_size=4, timeout_s=3, startup_s=40), requests, slow
+    )
+    for req_id, prompt, n in requests:
+        assert result.outputs[req_id] == hf_greedy(model, prompt, n, w.eos_token_id), f"request {req_id}"
+    assert result.all_blocks_free
+
+
+@pytest.mark.slow
+def test_a_start_past_the_budget_fails_saying_what_to_raise(saved_model):
+    start = time.monotonic()
+    with pytest.raises(DisaggError) as err:
+        run_disaggregated(
+            DisaggConfig(model_dir=saved_model, num_blocks=32, block_size=4, timeout_s=3, startup_s=4),
+            _requests(),
+            Faults(prefill_start_delay_s=12.0),
+        )
+    assert time.monotonic() - start < 60
+    assert "startup_s" in str(err.value), str(err.value)
+
+
+def test_the_startup_budget_follows_the_profile(monkeypatch):
+    from lesson_utils import env
+
+    cfg = DisaggConfig(model_dir="unused")
+    for name, want in (("ci", 60), ("cpu", 90)):
+        monkeypatch.setenv("COURSE_PROFILE", name)
+        env.get_profile.cache_clear()
+        assert cfg.startup_budget_s() == want and cfg.deadline_s() == want + 2 * cfg.timeout_s + 60
+    env.get_profile.cache_clear()
+    assert DisaggConfig(model_dir="unused", startup_s=5).startup_budget_s() == 5
