@@ -219,3 +219,78 @@ def compare_with_hf(
         it = tqdm(prompts, desc="HF generate", leave=False)
     references = [hf_greedy(model, p, max_new_tokens, eos_token_id) for p in it]
     return compare_all(model, prompts, references, outputs, threshold=threshold)
+
+
+# ---- calibration: the threshold this run's rounding needs (issue 23) -----------------------------------------
+
+CALIBRATION_SAFETY = 4.0  # the margin a flip needs is at most 2 x max |delta logit|; x4 more for other kernels
+CALIBRATION_FLOOR = {torch.float32: 1e-4, torch.float16: 1e-3, torch.bfloat16: 8e-3}
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """What rounding does to the logits in this run, and the near-tie threshold it justifies.
+
+    ``max_delta`` is the largest |course logit - HF logit| over every position and vocabulary entry of the
+    calibration sequences, teacher-forced (both forwards see the same tokens). Two implementations can only
+    pick different greedy tokens where HF's top-2 margin is below ``|delta_top1| + |delta_top2| <= 2 x
+    max_delta``; ``threshold`` is that times :data:`CALIBRATION_SAFETY` (other kernels and batch shapes round
+    differently again), never below the dtype's floor. ``excusable_share`` is the share of the sequences'
+    steps whose HF margin is below the threshold: the steps at which the rule could excuse a difference."""
+
+    dtype: torch.dtype
+    max_delta: float
+    threshold: float
+    excusable_share: float
+    steps: int
+    fixed_threshold: float  # the dtype's fixed threshold (NEAR_TIE), for comparison
+    fixed_excusable_share: float
+
+    def text(self) -> str:
+        d = str(self.dtype).removeprefix("torch.")
+        return (
+            f"calibrated near-tie threshold {self.threshold:.3g} ({d}: the course's forward and HF's differ by at most "
+            f"{self.max_delta:.2g} per logit over {self.steps} teacher-forced steps, x 2 x {CALIBRATION_SAFETY:g}); "
+            f"{100 * self.excusable_share:.1f} % of those steps have a top-2 margin below it and could be excused "
+            f"(with the fixed {self.fixed_threshold:g}: {100 * self.fixed_excusable_share:.1f} %)"
+        )
+
+
+def course_logits(w, ids: list[int]) -> torch.Tensor:
+    """The course's forward (dense cache) over ``ids``, teacher-forced: ``[len(ids), vocab]``."""
+    from lesson_utils.cache.dense import DenseKVCache
+    from lesson_utils.cache.seam import StepBatch
+    from lesson_utils.model.opt_forward import forward
+
+    t = torch.tensor(ids, device=w.device)
+    batch = StepBatch([0], [len(ids)], [len(ids)], t, torch.arange(len(ids), device=w.device))
+    return forward(w, batch, DenseKVCache(len(w.layers)), last_only=False)
+
+
+def calibrate(model, w, sequences: list[list[int]], *, safety: float = CALIBRATION_SAFETY) -> Calibration:
+    """Measure this run's rounding on ``sequences`` (prompts with their reference continuations) and return the
+    threshold it justifies (:class:`Calibration`)."""
+    if not sequences or any(len(s) < 2 for s in sequences):
+        raise ValueError("calibration needs sequences of at least two tokens")
+    device, dtype = _model_device_dtype(model)
+    deltas, margins = [], []
+    with torch.inference_mode():
+        for ids in sequences:
+            hf = model(input_ids=torch.tensor([list(ids)], device=device)).logits[0].float()
+            ours = course_logits(w, list(ids)).float()
+            deltas.append(float((hf - ours).abs().max()))
+            top2 = hf.topk(2, dim=-1).values
+            margins.append(top2[:, 0] - top2[:, 1])
+    m = torch.cat(margins)
+    max_delta = max(deltas)
+    threshold = max(CALIBRATION_FLOOR.get(dtype, 1e-4), safety * 2 * max_delta)
+    fixed = near_tie_threshold(dtype)
+    return Calibration(
+        dtype,
+        max_delta,
+        threshold,
+        float((m < threshold).float().mean()),
+        int(m.numel()),
+        fixed,
+        float((m < fixed).float().mean()),
+    )
