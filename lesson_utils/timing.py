@@ -44,6 +44,18 @@ def _own_cpu_seconds() -> float:
     return t.user + t.system + t.children_user + t.children_system
 
 
+def contention_warning(share: float, how: str) -> str:
+    """The warning a timed cell prints when other processes used more than :data:`CONTENTION_WARNING` of the
+    machine ('' otherwise)."""
+    if share <= CONTENTION_WARNING:
+        return ""
+    return (
+        f"WARNING: other processes used {100 * share:.0f} % of this machine's CPU time while these timings were "
+        f"taken ({how}): they are slower and noisier than on an idle machine. Close other work and re-run this "
+        "cell to trust them."
+    )
+
+
 @dataclass
 class ContentionProbe:
     """Measures what share of the machine's CPU time other processes used between :meth:`start` and
@@ -74,6 +86,10 @@ class ContentionProbe:
             self.share = max(0.0, (load - 1.0) / cores)  # this process accounts for about one runnable thread
             self.how = "load average beyond this process, per core"
         return self.share
+
+    def warning(self) -> str:
+        """After :meth:`stop`: the warning to print, or ''."""
+        return contention_warning(self.share, self.how)
 
 
 # ---- timings -------------------------------------------------------------------------------------------
@@ -174,13 +190,7 @@ class Measurement:
 
     def warning(self) -> str:
         """A visible warning when the machine was shared while measuring ('' when it was not)."""
-        if not self.contended:
-            return ""
-        return (
-            f"WARNING: other processes used {100 * self.contention:.0f} % of this machine's CPU time while these "
-            f"timings were taken ({self.contention_how}): they are slower and noisier than on an idle machine. "
-            "Close other work and re-run this cell to trust them."
-        )
+        return contention_warning(self.contention, self.contention_how)
 
     def protocol(self) -> str:
         """One line: how the numbers were taken."""

@@ -283,6 +283,8 @@ def decode_worker(rank: int, cfg: DisaggConfig, results, faults: Faults = Faults
                         _report(results, engine.step(), step_times, adopted_at)  # finished requests free blocks
                 t_unpack = time.perf_counter()
                 seq = receive(engine, prefilled, payload, eos_token_id=eos)
+                if k0.is_cuda:  # the writes into the cache are queued: the unpack ends when they are done
+                    torch.cuda.synchronize(k0.device)
                 unpack_s = time.perf_counter() - t_unpack
                 results.put(("received", req_id, payload.numel() * payload.element_size(), recv_s, unpack_s))
                 adopted_at[req_id] = time.time()  # its first token is here: the user can see it

@@ -18,7 +18,7 @@ size of one step's work, not the work in total.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import numpy as np
 
@@ -82,8 +82,30 @@ def _fit(a: np.ndarray, seconds) -> tuple[np.ndarray, float]:
     return x, float(np.median(err))
 
 
+class _LinearCost:
+    """What both cost models share: seconds = their four coefficients (the dataclass's first four fields) dotted
+    with ``_features(work)``, fitted by non-negative least squares. A subclass is a frozen dataclass with those
+    four fields, then ``num_steps`` and ``median_error``, and names its features."""
+
+    @staticmethod
+    def _features(work: StepWork) -> np.ndarray:  # pragma: no cover - every subclass names its own
+        raise NotImplementedError
+
+    def __call__(self, work: StepWork) -> float:
+        return float(self.coefficients() @ self._features(work))
+
+    def coefficients(self) -> np.ndarray:
+        return np.array([getattr(self, f.name) for f in fields(self)[:4]])
+
+    @classmethod
+    def fit(cls, works: list[StepWork], seconds: list[float]):
+        """The least-squares fit (no coefficient negative) to measured steps; needs at least four."""
+        x, err = _fit(np.stack([cls._features(w) for w in works]) if works else np.zeros((0, 4)), seconds)
+        return cls(*map(float, x), num_steps=len(works), median_error=err)
+
+
 @dataclass(frozen=True)
-class StepCost:
+class StepCost(_LinearCost):
     """Seconds a step costs, as a linear function of its :class:`StepWork` (module docstring)."""
 
     fixed_s: float
@@ -93,17 +115,7 @@ class StepCost:
     num_steps: int = 0  # how many measured steps the fit used
     median_error: float = float("nan")  # median |predicted - measured| / measured over those steps
 
-    def __call__(self, work: StepWork) -> float:
-        return float(self.coefficients() @ work.features())
-
-    def coefficients(self) -> np.ndarray:
-        return np.array([self.fixed_s, self.per_decode_s, self.per_prefill_token_s, self.per_context_token_s])
-
-    @classmethod
-    def fit(cls, works: list[StepWork], seconds: list[float]) -> "StepCost":
-        """The least-squares fit (no coefficient negative) to measured steps; needs at least four."""
-        x, err = _fit(np.stack([w.features() for w in works]) if works else np.zeros((0, 4)), seconds)
-        return cls(*map(float, x), num_steps=len(works), median_error=err)
+    _features = staticmethod(StepWork.features)
 
     def describe(self) -> str:
         return (
@@ -114,7 +126,7 @@ class StepCost:
 
 
 @dataclass(frozen=True)
-class ChunkCost:
+class ChunkCost(_LinearCost):
     """Seconds a step costs as lesson 08 models it: fixed + per decode + per prompt token + per (tokens in the
     step)^2 (module docstring). With ``per_token_squared_s > 0`` a prompt costs less in chunks than whole."""
 
@@ -125,23 +137,12 @@ class ChunkCost:
     num_steps: int = 0
     median_error: float = float("nan")
 
-    def __call__(self, work: StepWork) -> float:
-        return float(self.coefficients() @ work.chunk_features())
-
-    def coefficients(self) -> np.ndarray:
-        return np.array([self.fixed_s, self.per_decode_s, self.per_prompt_token_s, self.per_token_squared_s])
-
-    @classmethod
-    def fit(cls, works: list[StepWork], seconds: list[float]) -> "ChunkCost":
-        """The least-squares fit (no coefficient negative) to measured steps; needs at least four."""
-        x, err = _fit(np.stack([w.chunk_features() for w in works]) if works else np.zeros((0, 4)), seconds)
-        return cls(*map(float, x), num_steps=len(works), median_error=err)
+    _features = staticmethod(StepWork.chunk_features)
 
     def per_prompt_token_at(self, chunk: int, decodes: int) -> float:
         """What one prompt token adds to a step that computes ``chunk`` prompt tokens beside ``decodes`` decodes:
         (cost of that step - cost of the decodes alone) / chunk."""
-        with_chunk = self(StepWork(decodes, chunk, 0))
-        return (with_chunk - self(StepWork(decodes, 0, 0))) / chunk
+        return (self(StepWork(decodes, chunk, 0)) - self(StepWork(decodes, 0, 0))) / chunk
 
     def describe(self) -> str:
         return (
