@@ -23,10 +23,19 @@ and applies CUDA's rules, raising :class:`DeviceMismatch` where CUDA would raise
   an indexed assignment with tensor indices needs its values on the tensor's device;
 * ``.numpy()`` of a device tensor fails; a kernel launch (:func:`check_kernel_args`) needs device tensors.
 
-It also counts what would make the host wait for a GPU (:attr:`DeviceDiscipline.syncs`): ``.item()``,
-``.tolist()``, ``int()``/``float()``/``bool()`` of a device tensor, a blocking copy to the host,
-``nonzero`` and boolean-mask indexing, ``repeat_interleave`` without ``output_size``, ``torch.equal``...
-Tests use the count to hold the engine's step to a budget of device-to-host syncs.
+It also counts what would make the host wait for a GPU (:attr:`DeviceDiscipline.syncs`), in both directions:
+
+* device to host: ``.item()``, ``.tolist()``, ``int()``/``float()``/``bool()`` of a device tensor, a blocking
+  copy to the host (or a non-blocking one into pageable memory), ``nonzero`` and boolean-mask indexing,
+  ``repeat_interleave`` without ``output_size``, ``torch.equal``, :func:`synchronize`...;
+* host to device: ``torch.tensor(values, device=...)`` (Python data goes through pageable memory), a ``.to``,
+  ``.cuda()`` or ``copy_`` to the device that is not ``non_blocking`` or whose source is not pinned, an
+  assignment of host values into a device tensor, and indexing a device tensor with a host index tensor or
+  a list (CUDA copies the index over and waits). On CUDA each is a copy followed by a stream synchronize.
+
+Pinned memory is a tag here (a CPU build of torch has no pinned allocator): ``pin_memory=True`` in a factory,
+``.pin_memory()``, and the result of a non-blocking ``.to("cpu")`` (pinned on CUDA too) make a host tensor
+that ``is_pinned()``. Tests use the count to hold the engine's step to a budget of syncs.
 
 Tensors the mode never saw made (created before it was entered, or inside C++ without a torch call) are
 untagged and mix with anything: the mode can miss a bug, but it does not invent one.
@@ -45,6 +54,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 DEVICE = torch.device("cpu", 0)  # stands for the GPU in this mode
 ENV_VAR = "COURSE_DEVICE_DISCIPLINE"
 _TAG = "_course_place"  # attribute on a tensor: "device" or "host"
+_PINNED = "_course_pinned"  # attribute on a host tensor: in page-locked memory (a tag: a CPU build has none)
 
 FACTORIES = {
     "tensor",
@@ -82,6 +92,8 @@ FACTORIES = {
     "new_full",
     "new_tensor",
 }
+# Factories that copy their data argument: onto a device, from pageable memory, then a wait
+DATA_FACTORIES = {"tensor", "as_tensor", "asarray", "new_tensor"}
 # Reading a device tensor's value on the host: on CUDA each one waits for the GPU to finish.
 SYNCING = {
     "item",
@@ -131,6 +143,31 @@ def _tag(t, where: str | None) -> None:
             pass
 
 
+def is_pinned(t) -> bool:
+    """A host tensor in pinned memory: really (CUDA), or tagged so by the mode."""
+    return isinstance(t, torch.Tensor) and bool(getattr(t, _PINNED, False))
+
+
+def _pin(t) -> None:
+    if isinstance(t, torch.Tensor):
+        try:
+            setattr(t, _PINNED, True)
+        except (AttributeError, RuntimeError):  # pragma: no cover
+            pass
+
+
+def _is_host_index(index) -> bool:
+    """An index whose tensors (or lists) CUDA must first copy to the device: a host tensor that is not 0-dim, or
+    a Python list (advanced indexing)."""
+    parts = index if isinstance(index, tuple) else (index,)
+    for p in parts:
+        if isinstance(p, list):
+            return True
+        if isinstance(p, torch.Tensor) and place(p) == "host" and p.dim() > 0:
+            return True
+    return False
+
+
 def place_of_device(device) -> str | None:
     """Where tensors made with ``device=device`` live in this mode."""
     if device is None:
@@ -172,7 +209,7 @@ class DeviceDiscipline(TorchFunctionMode):
 
     def __init__(self):
         super().__init__()
-        self.sync_log: list[str] = []  # why each device-to-host sync happened, in order
+        self.sync_log: list[str] = []  # why each sync (either direction) happened, in order
         self.transfers: list[Transfer] = []
         self._paused = 0
 
@@ -203,6 +240,8 @@ class DeviceDiscipline(TorchFunctionMode):
             result = func(*args, **kwargs)
             _tag(args[0], place(args[1]))
             return result
+        if name == "is_pinned":
+            return is_pinned(args[0]) or (place(args[0]) is None and func(*args, **kwargs))
         if name in FACTORIES:
             return self._factory(name, func, args, kwargs)
         if name == "to":
@@ -256,8 +295,17 @@ class DeviceDiscipline(TorchFunctionMode):
             where = place(args[0])
         else:
             where = "host"
+        pinned = bool(kwargs.get("pin_memory", False))
+        if pinned:  # a CPU build has no pinned allocator: the mode keeps a tag instead
+            kwargs = {k: v for k, v in kwargs.items() if k != "pin_memory"}
+        if name in DATA_FACTORIES and where == "device":
+            data = args[1] if name == "new_tensor" else (args[0] if args else kwargs.get("data"))
+            if place(data) != "device":
+                self._sync(f"torch.{name}(..., device=) copies host data to the device from pageable memory")
         result = func(*args, **kwargs)
         _tag(result, where)
+        if pinned and where == "host":
+            _pin(result)
         return result
 
     def _target_of_to(self, args, kwargs) -> str | None:
@@ -274,13 +322,21 @@ class DeviceDiscipline(TorchFunctionMode):
             return place_of_device(target)
         return place(args[0])
 
-    def _record_move(self, src: torch.Tensor, where: str | None, non_blocking: bool) -> None:
+    def _record_move(self, src: torch.Tensor, where: str | None, non_blocking: bool, dst=None) -> None:
+        """A copy between host and device; ``dst`` is the host tensor a ``copy_`` writes into (a ``.to`` makes
+        its own, pinned when non-blocking)."""
         if place(src) == "device" and where == "host":
             self.transfers.append(Transfer("to host", src.numel() * src.element_size(), non_blocking))
             if not non_blocking:
                 self._sync("blocking copy to the host")
+            elif dst is not None and not is_pinned(dst):
+                self._sync("copy to the host into pageable memory (CUDA waits for it)")
         elif place(src) == "host" and where == "device":
             self.transfers.append(Transfer("to device", src.numel() * src.element_size(), non_blocking))
+            if not non_blocking:
+                self._sync("blocking copy to the device (not non_blocking)")
+            elif not is_pinned(src):
+                self._sync("copy to the device from pageable memory (pin the host tensor)")
 
     def _moved(self, src, result, where):
         if result is src and where != place(src):  # CUDA would have copied: keep the original's tag apart
@@ -292,24 +348,32 @@ class DeviceDiscipline(TorchFunctionMode):
     def _to(self, func, args, kwargs):
         src = args[0]
         where = self._target_of_to(args, kwargs)
-        self._record_move(src, where, bool(kwargs.get("non_blocking", False)))
-        return self._moved(src, func(*args, **kwargs), where)
+        non_blocking = bool(kwargs.get("non_blocking", False))
+        self._record_move(src, where, non_blocking)
+        result = self._moved(src, func(*args, **kwargs), where)
+        if non_blocking and place(src) == "device" and where == "host":
+            _pin(result)  # CUDA makes a non-blocking copy to the host into pinned memory
+        return result
 
     def _move(self, name, func, args, kwargs):
         src = args[0]
         where = "device" if name == "cuda" else "host"
-        if name == "cuda":  # no CUDA here: the device stand-in is the CPU
+        if name in ("cuda", "pin_memory"):  # no CUDA here: the device stand-in is the CPU, pinning a tag
             with self.paused():
-                result = src.to(DEVICE)
+                result = src.to(DEVICE) if name == "cuda" else src.clone()
         else:
             result = func(*args, **kwargs)
         self._record_move(src, where, bool(kwargs.get("non_blocking", False)))
-        return self._moved(src, result, where)
+        result = self._moved(src, result, where)
+        if name == "pin_memory":
+            _pin(result)
+        return result
 
     def _copy(self, func, args, kwargs):
         dst, src = args[0], args[1]
         if isinstance(src, torch.Tensor):
-            self._record_move(src, place(dst), bool(kwargs.get("non_blocking", args[2] if len(args) > 2 else False)))
+            non_blocking = bool(kwargs.get("non_blocking", args[2] if len(args) > 2 else False))
+            self._record_move(src, place(dst), non_blocking, dst=dst)
         return func(*args, **kwargs)
 
     def _getitem(self, func, args, kwargs):
@@ -322,6 +386,8 @@ class DeviceDiscipline(TorchFunctionMode):
             )
         if place(src) == "device" and any(t.dtype == torch.bool and place(t) == "device" for t in idx):
             self._sync("boolean-mask indexing")
+        if place(src) == "device" and _is_host_index(index):
+            self._sync("a host index into a device tensor (CUDA copies it over and waits)")
         result = func(*args, **kwargs)
         _tag(result, place(src) or next((place(t) for t in idx if place(t)), None))
         return result
@@ -350,6 +416,8 @@ class DeviceDiscipline(TorchFunctionMode):
             self._record_move(value, place(dst), False)
         if place(dst) == "device" and any(t.dtype == torch.bool and place(t) == "device" for t in idx):
             self._sync("boolean-mask assignment")
+        if place(dst) == "device" and _is_host_index(index):
+            self._sync("a host index into a device tensor (CUDA copies it over and waits)")
         return func(*args, **kwargs)
 
 
@@ -393,6 +461,16 @@ def discipline():
         _active = None
 
 
+def synchronize(device, why: str) -> None:
+    """Wait for ``device``'s stream (CUDA); in the mode, count it as a sync. The one way the course's code
+    waits for the GPU on purpose (a swap-out's staging buffer must land before the host reads it)."""
+    d = torch.device(device)
+    if d.type == "cuda":
+        torch.cuda.current_stream(d).synchronize()
+    elif _active is not None and d == DEVICE:
+        _active._sync(f"synchronize: {why}")
+
+
 @dataclass
 class SyncCount:
     """What :func:`count_syncs` saw: how many syncs, and why each happened."""
@@ -403,7 +481,7 @@ class SyncCount:
 
 @contextlib.contextmanager
 def count_syncs():
-    """Counts the device-to-host syncs of a block (0 outside the mode): ``with count_syncs() as c: ...; c.n``."""
+    """Counts the syncs of a block, both directions (0 outside the mode): ``with count_syncs() as c: ...; c.n``."""
     mode = _active
     count = SyncCount()
     start = mode.syncs if mode else 0

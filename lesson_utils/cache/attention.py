@@ -5,6 +5,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from lesson_utils.host_copy import move, to_device
 from lesson_utils.memory.block_table import blocks_needed
 
 
@@ -72,7 +73,8 @@ def decode_slot_index(first_slots_or_tables, context_lens: list[int], block_size
     Paged caches pass block tables and their ``block_size``: token ``p`` lives in slot
     ``table[p // block_size] * block_size + p % block_size``. A contiguous arena passes each sequence's first
     slot and ``block_size=None``: token ``p`` lives in slot ``first + p``. Entries past a sequence's context
-    repeat its last slot (any valid slot would do: :func:`decode_attention` masks them out).
+    repeat its last slot (any valid slot would do: :func:`decode_attention` masks them out). Computed on the
+    host and copied to ``device`` without a wait (:mod:`lesson_utils.host_copy`).
     """
     max_ctx = max(context_lens)
     pos = torch.arange(max_ctx)[None, :].minimum(torch.tensor(context_lens)[:, None] - 1)  # [num_seqs, max_ctx]
@@ -82,7 +84,7 @@ def decode_slot_index(first_slots_or_tables, context_lens: list[int], block_size
         width = max(len(t) for t in first_slots_or_tables)
         tables = torch.tensor([list(t) + [0] * (width - len(t)) for t in first_slots_or_tables])
         index = tables.gather(1, pos // block_size) * block_size + pos % block_size
-    return index.to(device)
+    return move(index, device)
 
 
 def decode_attention(
@@ -145,14 +147,18 @@ def paged_attention_reference(
     return out
 
 
-def gather_kv(cache: torch.Tensor, block_table: list[int], context_len: int) -> torch.Tensor:
+def gather_kv(cache: torch.Tensor, block_table: list[int] | torch.Tensor, context_len: int) -> torch.Tensor:
     """One sequence's first ``context_len`` tokens, contiguous: ``[context_len, kv_heads, head_dim]``.
 
-    ``cache`` is one layer's ``[num_blocks, block_size, kv_heads, head_dim]`` K or V cache. The last
-    block is usually only partly filled: its tail is garbage and must be cut off.
+    ``cache`` is one layer's ``[num_blocks, block_size, kv_heads, head_dim]`` K or V cache; ``block_table`` the
+    sequence's blocks, a list or (what the paged cache passes, copied once a step) a long tensor on the
+    cache's device. The last block is usually only partly filled: its tail is garbage and must be cut off.
     """
     num_blocks_used = blocks_needed(context_len, cache.shape[1])
-    ids = torch.tensor(block_table[:num_blocks_used], dtype=torch.long, device=cache.device)
+    if isinstance(block_table, torch.Tensor):
+        ids = block_table[:num_blocks_used]
+    else:
+        ids = to_device(block_table[:num_blocks_used], torch.long, cache.device)
     return cache[ids].reshape(-1, cache.shape[2], cache.shape[3])[:context_len]
 
 

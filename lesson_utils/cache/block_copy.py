@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from lesson_utils.host_copy import to_device
+
 
 def _caches(k_cache, v_cache) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """The per-layer K and V caches, checked: lists of tensors of one shape, as many layers of K as of V."""
@@ -35,7 +37,7 @@ def _block_index(blocks, num_blocks: int, device, distinct: bool) -> torch.Tenso
             raise ValueError(f"block id {b} is out of range: the cache has {num_blocks} blocks (0..{num_blocks - 1})")
     if distinct and len(set(blocks)) != len(blocks):
         raise ValueError(f"block ids must be distinct: {list(blocks)} names one block twice")
-    return torch.tensor(list(blocks), dtype=torch.long, device=device)
+    return to_device(list(blocks), torch.long, device)
 
 
 def pack_blocks(k_cache: list[torch.Tensor], v_cache: list[torch.Tensor], blocks: list[int]) -> torch.Tensor:

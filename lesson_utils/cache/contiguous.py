@@ -6,6 +6,7 @@ import torch
 
 from lesson_utils.cache.attention import fused_attention_over_context
 from lesson_utils.cache.seam import AttentionMetadata, StepBatch
+from lesson_utils.host_copy import to_device
 from lesson_utils.memory.contiguous import FirstFitAllocator
 from lesson_utils.types import NeverFits
 
@@ -19,7 +20,7 @@ def slot_mapping(batch: StepBatch, region_starts: list[int]) -> torch.Tensor:
     ``batch.positions`` back would make the host wait for the GPU every step.
     """
     slots = [start + p for start, positions in zip(region_starts, batch.new_positions()) for p in positions]
-    return torch.tensor(slots, dtype=torch.long, device=batch.positions.device)
+    return to_device(slots, torch.long, batch.positions.device)
 
 
 class ContiguousKVCache:

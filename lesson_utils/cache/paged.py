@@ -27,8 +27,10 @@ import torch
 from lesson_utils.cache.attention import decode_attention, decode_slot_index, fused_attention_over_context, gather_kv
 from lesson_utils.cache.block_copy import pack_blocks, unpack_blocks
 from lesson_utils.cache.seam import AttentionMetadata, StepBatch, mark_decodes
-from lesson_utils.device_discipline import acts_as_gpu
+from lesson_utils.device_discipline import acts_as_gpu, synchronize
+from lesson_utils.host_copy import to_device, wants_pinned
 from lesson_utils.memory.block_manager import BlockManager
+from lesson_utils.memory.block_table import blocks_needed
 
 
 def slot_mapping(batch: StepBatch, block_tables: list[list[int]], block_size: int) -> torch.Tensor:
@@ -36,14 +38,15 @@ def slot_mapping(batch: StepBatch, block_tables: list[list[int]], block_size: in
 
     Returns a ``torch.long`` tensor on the batch's device, built from host-side data (the tables and the
     batch's lengths: a sequence's new tokens sit at positions ``context_len - query_len .. context_len - 1``)
-    and moved to the device once, so no step waits for the GPU to hand ``batch.positions`` back.
+    and copied to the device once without a wait (pinned, non-blocking), so no step waits for the GPU to hand
+    ``batch.positions`` back, nor for the copy.
     """
     slots = [
         table[p // block_size] * block_size + p % block_size
         for table, positions in zip(block_tables, batch.new_positions())
         for p in positions
     ]
-    return torch.tensor(slots, dtype=torch.long, device=batch.positions.device)
+    return to_device(slots, torch.long, batch.positions.device)
 
 
 class PagedKVCache:
@@ -105,11 +108,30 @@ class PagedKVCache:
                     "reserve them first (the memory manager's allocate / append_slot, which the scheduler calls)"
                 )
             tables.append(table.blocks)
+        device = self.k_cache[0].device
+        decode = mark_decodes(batch, self.batched_decode, device)
         batch.meta = AttentionMetadata(
             self._slot_mapping(batch, tables, self.block_size),
             tables,
-            mark_decodes(batch, self.batched_decode, self.k_cache[0].device),
+            decode,
+            self._table_ids(tables, batch.context_lens, set(decode.indices) if decode else set(), device),
         )
+
+    def _table_ids(self, tables, context_lens, skip: set[int], device) -> list[torch.Tensor | None] | None:
+        """The gathered sequences' used blocks as device tensors, for every layer's gather: one copy for the step
+        (the course's gather takes them; a learner's ``gather_fn`` of lesson 03 gets the lists)."""
+        if self._gather is not gather_kv:
+            return None
+        used = [
+            t[: blocks_needed(c, self.block_size)] if i not in skip else []
+            for i, (t, c) in enumerate(zip(tables, context_lens))
+        ]
+        flat = to_device([b for t in used for b in t], torch.long, device)
+        out, start = [], 0
+        for i, t in enumerate(used):
+            out.append(None if i in skip else flat[start : start + len(t)])
+            start += len(t)
+        return out
 
     # A swap moves all its blocks, K and V of every layer, in ONE host-device copy through a pinned staging
     # buffer: gather on the device (pack_blocks, lesson 09's packing too), one asynchronous copy, scatter on the
@@ -123,10 +145,9 @@ class PagedKVCache:
         device = self.k_cache[0].device
         cpu = torch.tensor([c for _, c in copies])  # host index into the host swap space
         gathered = pack_blocks(self.k_cache, self.v_cache, [g for g, _ in copies])
-        staging = torch.empty(gathered.shape, dtype=gathered.dtype, pin_memory=gathered.is_cuda)
+        staging = torch.empty(gathered.shape, dtype=gathered.dtype, pin_memory=wants_pinned(device))
         staging.copy_(gathered, non_blocking=True)
-        if gathered.is_cuda:
-            torch.cuda.current_stream(device).synchronize()
+        synchronize(device, "a swap-out's blocks must land before the host reads them")
         space.kv[:, :, cpu] = staging
 
     def swap_in(self, copies: list[tuple[int, int]], space) -> None:
@@ -160,7 +181,8 @@ class PagedKVCache:
         out = torch.empty_like(q)
         decode = batch.meta.decode
         skip = set(decode.indices) if decode else set()
-        rows = zip(batch.meta.block_tables, batch.starts, batch.query_lens, batch.context_lens)
+        tables = batch.meta.table_ids or batch.meta.block_tables
+        rows = zip(tables, batch.starts, batch.query_lens, batch.context_lens)
         for i, (table, start, n, ctx) in enumerate(rows):
             if i in skip:
                 continue

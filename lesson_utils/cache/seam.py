@@ -18,6 +18,8 @@ from typing import Protocol
 
 import torch
 
+from lesson_utils.host_copy import to_device
+
 
 @dataclass
 class DecodeGroup:
@@ -40,12 +42,15 @@ class AttentionMetadata:
 
     ``slots``: the flat cache slot of every new token (``torch.long``, on the cache's device);
     ``block_tables``: each sequence's physical blocks (paged caches; None for contiguous ones);
-    ``decode``: the sequences served together (:func:`mark_decodes`), None when there are none.
+    ``decode``: the sequences served together (:func:`mark_decodes`), None when there are none;
+    ``table_ids``: the block tables of the sequences not in ``decode`` as long tensors on the cache's device,
+    copied in one go at ``prepare`` (None where a sequence decodes, or where the cache gathers from lists).
     """
 
     slots: torch.Tensor
     block_tables: list[list[int]] | None = None
     decode: DecodeGroup | None = None
+    table_ids: list[torch.Tensor | None] | None = None
 
 
 @dataclass
@@ -83,7 +88,8 @@ class StepBatch:
 
     @classmethod
     def build(cls, seq_ids, new_tokens, context_before, device="cpu") -> "StepBatch":
-        """Make a step from each sequence's new token ids and how many tokens it already had cached."""
+        """Make a step from each sequence's new token ids and how many tokens it already had cached (ids and
+        positions built on the host and copied without a wait: :mod:`lesson_utils.host_copy`)."""
         if not (len(seq_ids) == len(new_tokens) == len(context_before)):
             raise ValueError("seq_ids, new_tokens and context_before must have the same length")
         ids, pos, qlens, clens = [], [], [], []
@@ -98,8 +104,8 @@ class StepBatch:
             seq_ids=list(seq_ids),
             query_lens=qlens,
             context_lens=clens,
-            input_ids=torch.tensor(ids, dtype=torch.long, device=device),
-            positions=torch.tensor(pos, dtype=torch.long, device=device),
+            input_ids=to_device(ids, torch.long, device),
+            positions=to_device(pos, torch.long, device),
         )
 
 
@@ -129,6 +135,6 @@ def mark_decodes(batch: StepBatch, enabled: bool, device) -> DecodeGroup | None:
     starts = batch.starts
     return DecodeGroup(
         decode,
-        torch.tensor([starts[i] for i in decode], device=device),
-        torch.tensor([batch.context_lens[i] for i in decode], device=device),
+        to_device([starts[i] for i in decode], torch.long, device),
+        to_device([batch.context_lens[i] for i in decode], torch.long, device),
     )

@@ -18,6 +18,7 @@ import torch
 
 from lesson_utils.cache.paged import PagedKVCache
 from lesson_utils.cache.seam import AttentionMetadata
+from lesson_utils.host_copy import to_device
 from lesson_utils.kernels.paged_attention import paged_attention_decode, write_kv_to_cache
 from lesson_utils.kernels.unified_attention import unified_attention
 
@@ -46,7 +47,7 @@ class TritonPagedKVCache(PagedKVCache):
             tables = [meta.block_tables[i] for i in meta.decode.indices]
             width = max(len(t) for t in tables)
             padded = [list(t) + [0] * (width - len(t)) for t in tables]  # built on the host, moved once
-            meta.decode_tables = torch.tensor(padded, dtype=torch.int32, device=device)
+            meta.decode_tables = to_device(padded, torch.int32, device)
             meta.decode_lens = meta.decode.context_lens.to(torch.int32)
         batch.meta = meta
 
@@ -101,9 +102,9 @@ class UnifiedTritonKVCache(PagedKVCache):
         batch.meta = UnifiedMetadata(
             **vars(batch.meta),
             slots_i32=batch.meta.slots.to(device=device, dtype=torch.int32),
-            tables=torch.tensor([list(t) + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=device),
-            query_start=torch.tensor(starts, dtype=torch.int32, device=device),
-            context_lens=torch.tensor(batch.context_lens, dtype=torch.int32, device=device),
+            tables=to_device([list(t) + [0] * (width - len(t)) for t in tables], torch.int32, device),
+            query_start=to_device(starts, torch.int32, device),
+            context_lens=to_device(batch.context_lens, torch.int32, device),
             max_query_len=max(batch.query_lens, default=0),
         )
 

@@ -19,6 +19,7 @@ from typing import Callable
 
 import torch
 
+from lesson_utils.host_copy import wants_pinned
 from lesson_utils.memory.block_pool import BlockPool
 from lesson_utils.memory.block_table import BlockTable
 
@@ -61,7 +62,7 @@ class SwapSpace:
         """Allocate CPU K/V blocks shaped like the GPU cache's, host memory on purpose (pinned when the cache
         is on CUDA, so copies to and from it can run asynchronously): one tensor for K and V of every layer,
         so a swap of several blocks is one gather and one copy each way."""
-        pin = like_k[0].is_cuda
+        pin = wants_pinned(like_k[0].device)
         shape = (2, len(like_k), self.num_blocks) + tuple(like_k[0].shape[1:])
         self.kv = torch.zeros(shape, dtype=like_k[0].dtype, pin_memory=pin)
 

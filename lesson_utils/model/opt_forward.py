@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from lesson_utils.cache.seam import KVCache, StepBatch
+from lesson_utils.host_copy import to_device
 
 POSITION_OFFSET = 2  # OPT's learned position table starts at row 2 (a fairseq padding convention)
 
@@ -169,7 +170,7 @@ def forward(w: OPTWeights, batch: StepBatch, cache: KVCache, *, last_only: bool 
             h = _decoder_layer(w, i, layer, h, batch, cache)
         if last_only:  # every later op is per token, so drop the tokens nobody needs logits for
             last = [s + n - 1 for s, n in zip(batch.starts, batch.query_lens)]
-            h = h[torch.tensor(last, device=h.device)]
+            h = h[to_device(last, torch.long, h.device)]
         if w.final_layer_norm is not None:
             h = w.final_layer_norm(h)
         if w.project_out is not None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from lesson_utils.cache.seam import StepBatch
+from lesson_utils.host_copy import to_device
 from lesson_utils.model.opt_forward import OPTWeights, forward
 from lesson_utils.serving.output import RunnerOutput, StepPlan
 from lesson_utils.types import Sequence
@@ -28,7 +29,7 @@ class ModelRunner:
         # a sequence gets a token once all its tokens are computed (a prompt chunk that stops short does not)
         ready = [i for i, (s, n) in enumerate(zip(seqs, counts)) if s.kv_len + n == len(s.token_ids)]
         if len(ready) < len(seqs):
-            logits = logits[torch.tensor(ready, device=logits.device)] if ready else logits[:0]
+            logits = logits[to_device(ready, torch.long, logits.device)] if ready else logits[:0]
         return RunnerOutput(counts, ready, logits)
 
     def apply(self, plan: StepPlan) -> None:

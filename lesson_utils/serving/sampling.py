@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from lesson_utils.host_copy import to_device
 from lesson_utils.types import Sequence
 
 
@@ -18,8 +19,8 @@ def next_tokens(seqs: list[Sequence], logits: torch.Tensor) -> list[int]:
     tokens = logits.argmax(dim=-1).tolist()
     sampled = [i for i, s in enumerate(seqs) if s.temperature > 0]
     if sampled:
-        temps = torch.tensor([seqs[i].temperature for i in sampled], device=logits.device)[:, None]
-        rows = torch.tensor(sampled, device=logits.device)
+        temps = to_device([seqs[i].temperature for i in sampled], torch.float32, logits.device)[:, None]
+        rows = to_device(sampled, torch.long, logits.device)
         probs = torch.softmax(logits[rows].float() / temps, dim=-1).cpu()
         for i, p in zip(sampled, probs):
             tokens[i] = int(torch.multinomial(p, 1, generator=seqs[i].generator))

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from lesson_utils import device_discipline as dd
+from lesson_utils import host_copy
 from lesson_utils.device_discipline import DEVICE, DeviceMismatch, discipline, place
 
 
@@ -81,9 +82,67 @@ def test_syncs_are_counted_only_for_device_tensors(mode):
         d.cpu()
         d.to("cpu", non_blocking=True)  # asynchronous: no wait (the caller synchronises once)
         d[d > 1]
-        torch.arange(3, device=DEVICE).repeat_interleave(torch.tensor([1, 2, 1], device=DEVICE))
-    assert c.n == 6, c.why
+        repeats = torch.tensor([1, 2, 1], device=DEVICE)  # itself a copy to the device (counted below)
+        torch.arange(3, device=DEVICE).repeat_interleave(repeats)
+    assert c.n == 7, c.why
     assert [t.direction for t in mode.transfers[-2:]] == ["to host", "to host"]
+
+
+def test_host_to_device_copies_count_unless_pinned_and_non_blocking(mode):
+    """On CUDA a copy to the device from pageable memory, or one without non_blocking, waits for the stream."""
+    h, d = torch.arange(4), torch.arange(4, device=DEVICE)
+    waits = {
+        "torch.tensor of Python data": lambda: torch.tensor([1, 2], device=DEVICE),
+        "as_tensor of a host tensor": lambda: torch.as_tensor(h, device=DEVICE),
+        "new_tensor": lambda: d.new_tensor([1, 2]),
+        ".to, blocking": lambda: h.to(DEVICE),
+        ".to, non_blocking from pageable": lambda: h.to(DEVICE, non_blocking=True),
+        ".cuda()": lambda: h.cuda(),
+        "copy_ from pageable": lambda: d.copy_(h, non_blocking=True),
+        "slice assignment of host values": lambda: d.__setitem__(slice(0, 2), torch.ones(2, dtype=d.dtype)),
+        "host index tensor": lambda: d[torch.tensor([0, 2])],
+        "list index": lambda: d[[0, 2]],
+        "copy to pageable host memory": lambda: torch.empty(4, dtype=d.dtype).copy_(d, non_blocking=True),
+    }
+    for what, op in waits.items():
+        with dd.count_syncs() as c:
+            op()
+        assert c.n == 1, (what, c.why)
+    pinned = torch.tensor([1, 2, 3, 4], pin_memory=True)
+    assert pinned.is_pinned() and not h.is_pinned() and h.pin_memory().is_pinned()
+    free = {
+        "pinned, non_blocking .to": lambda: pinned.to(DEVICE, non_blocking=True),
+        "pinned, non_blocking copy_": lambda: d.copy_(pinned, non_blocking=True),
+        "factories without data": lambda: (torch.zeros(3, device=DEVICE), torch.arange(3, device=DEVICE)),
+        "a device index, a Python int, a 0-dim host tensor": lambda: (d[d[:2]], d[1], d[torch.tensor(1)]),
+        "non_blocking .to the host (pinned by CUDA)": lambda: d.to("cpu", non_blocking=True),
+        "copy into pinned host memory": lambda: torch.empty(4, dtype=d.dtype, pin_memory=True).copy_(
+            d, non_blocking=True
+        ),
+        "host_copy.to_device": lambda: host_copy.to_device([[1, 2], [3, 4]], torch.int32, DEVICE),
+        "host_copy.move": lambda: host_copy.move(torch.arange(5), DEVICE),
+    }
+    for what, op in free.items():
+        with dd.count_syncs() as c:
+            op()
+        assert c.n == 0, (what, c.why)
+    assert place(host_copy.to_device([1], torch.long, DEVICE)) == "device"
+    assert d.to("cpu", non_blocking=True).is_pinned()
+
+
+def test_synchronize_counts_in_the_mode_and_is_free_on_a_plain_cpu(mode):
+    with dd.count_syncs() as c:
+        dd.synchronize(DEVICE, "a test")
+        dd.synchronize("cpu", "not a GPU")
+    assert c.why == ["synchronize: a test"]
+
+
+def test_host_copy_leaves_a_plain_cpu_device_alone():
+    """Outside the mode a CPU device is no GPU: no pinning (a CPU build has no pinned allocator)."""
+    t = host_copy.to_device([1, 2], torch.long, "cpu")
+    assert t.tolist() == [1, 2] and not host_copy.wants_pinned("cpu")
+    h = torch.arange(3)
+    assert host_copy.move(h, "cpu") is h
 
 
 def test_kernel_launches_need_device_tensors(mode):
