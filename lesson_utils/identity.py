@@ -9,6 +9,11 @@ from there on they continue two different, equally valid texts. So:
 * at the first token that differs, ask Hugging Face's model for its top-2 logit margin at that step (one
   forward over the prompt and the tokens both agreed on). Below :func:`near_tie_threshold` the divergence is
   accepted and reported as ``near-tie`` ("diverged at a near-tie after N tokens"), never hidden;
+* after an accepted divergence the two texts differ, so the reference says nothing more: every later token of
+  the output is checked on the output's own prefix instead (teacher-forced, one HF forward over prompt +
+  output): it must be HF's greedy choice there, or lose to it by less than the threshold (another near-tie,
+  counted). A K/V bug flips the nearest ties first and so could hide behind the first divergence; it cannot
+  hide behind every later token too (issue 23);
 * a divergence at a clear margin, or an output that stops early or runs on, is ``different``: a bug.
 
 Thresholds, by the model's dtype (the margin is a difference of logits, which for OPT-125m reach about 30):
@@ -26,8 +31,8 @@ Thresholds, by the model's dtype (the margin is a difference of logits, which fo
 A bug that corrupts K/V usually shows up at a step with a clear margin, so the rule still catches it; a
 threshold only excuses divergences at steps that rounding could decide. The fixed fp16 threshold is a choice:
 :func:`calibrate` measures instead what rounding does in the run (the course's forward against HF's, teacher-
-forced) and returns the threshold that justifies, and the share of steps it could excuse (issue 23; not yet used
-by the notebooks).
+forced) and returns the threshold that justifies, and the share of steps it could excuse. The notebooks pass
+the model's ``w`` to :func:`compare_all` / :func:`compare_with_hf`, which then calibrate and print both.
 """
 
 from __future__ import annotations
@@ -94,6 +99,7 @@ class Comparison:
     margin: float | None  # HF's top-2 margin where the outputs first differ (None if they never do)
     threshold: float
     detail: str = ""
+    later_ties: int = 0  # tokens after the divergence that were not HF's choice on the output's prefix, by a near-tie
 
     @property
     def ok(self) -> bool:
@@ -103,9 +109,10 @@ class Comparison:
         if self.verdict == IDENTICAL:
             return f"identical ({self.agreed} tokens)"
         if self.verdict == NEAR_TIE_VERDICT:
+            later = f"; {self.later_ties} later near-tie(s) on its own text" if self.later_ties else ""
             return (
                 f"diverged at a near-tie after {self.agreed} tokens (HF's top-2 margin {self.margin:.2g} < "
-                f"{self.threshold:g})"
+                f"{self.threshold:g}){later}"
             )
         return f"DIFFERENT after {self.agreed} tokens: {self.detail}"
 
@@ -132,7 +139,7 @@ def compare(
         )
     margin = hf_margin(model, prompt, reference[:agreed])
     if margin < threshold:
-        return Comparison(NEAR_TIE_VERDICT, agreed, margin, threshold)
+        return _check_own_text(model, prompt, got, agreed, margin, threshold)
     return Comparison(
         DIFFERENT,
         agreed,
@@ -143,11 +150,43 @@ def compare(
     )
 
 
+def _check_own_text(
+    model, prompt: list[int], got: list[int], agreed: int, margin: float, threshold: float
+) -> Comparison:
+    """After a near-tie divergence at token ``agreed``: every later token of ``got`` must be HF's greedy choice on
+    ``got``'s own prefix, or lose to it by less than ``threshold`` (teacher-forced, one forward)."""
+    later = range(agreed, len(got))  # the diverging token itself too: it must be HF's runner-up or as close
+    device, _ = _model_device_dtype(model)
+    with torch.inference_mode():
+        logits = model(input_ids=torch.tensor([list(prompt) + list(got)], device=device)).logits[0].float()
+    # row len(prompt) + j - 1 predicts token j of the output
+    rows = logits[len(prompt) + agreed - 1 : len(prompt) + len(got) - 1]
+    chosen = torch.tensor([got[j] for j in later], device=rows.device)
+    gap = (rows.max(dim=-1).values - rows.gather(1, chosen[:, None])[:, 0]).tolist()
+    best = rows.argmax(dim=-1).tolist()
+    ties = 0
+    for j, g, b in zip(later, gap, best):
+        if g >= threshold:
+            return Comparison(
+                DIFFERENT,
+                agreed,
+                margin,
+                threshold,
+                f"diverged at a near-tie after {agreed} tokens, but then token {j} is {got[j]} where HF, fed this "
+                f"output's own first {j} tokens, picks {b} by a margin of {g:.3g} (a near-tie would be below "
+                f"{threshold:g})",
+                ties,
+            )
+        ties += j > agreed and g > 0
+    return Comparison(NEAR_TIE_VERDICT, agreed, margin, threshold, later_ties=ties)
+
+
 @dataclass
 class IdentityReport:
     """Verdicts for a set of prompts; ``summary()`` is what a notebook prints."""
 
     comparisons: list[Comparison] = field(default_factory=list)
+    calibration: "Calibration | None" = None  # set when the threshold was calibrated in this run
 
     @property
     def identical(self) -> int:
@@ -181,7 +220,14 @@ class IdentityReport:
             )
         text += f", {self.different} different"
         if self.comparisons:
-            text += f" (near-tie threshold {self.comparisons[0].threshold:g})"
+            text += f" (near-tie threshold {self.comparisons[0].threshold:.3g}"
+            if self.calibration is not None:
+                c = self.calibration
+                text += (
+                    f", calibrated in this run: {100 * c.excusable_share:.1f} % of {c.steps} steps could be excused;"
+                    f" the fixed {c.fixed_threshold:g}: {100 * c.fixed_excusable_share:.1f} %"
+                )
+            text += ")"
         return text
 
     def failures(self) -> str:
@@ -195,12 +241,21 @@ def compare_all(
     outputs: list[list[int]],
     *,
     threshold: float | None = None,
+    w=None,
 ) -> IdentityReport:
-    """The rule over several prompts (same order in all three lists)."""
+    """The rule over several prompts (same order in all three lists). With ``w`` (the course's ``OPTWeights`` of
+    ``model``) and no ``threshold``, the threshold is calibrated on these prompts and references
+    (:func:`calibrate`) and the report says what share of steps it could excuse."""
     if not (len(prompts) == len(references) == len(outputs)):
         raise ValueError(f"{len(prompts)} prompts, {len(references)} references and {len(outputs)} outputs")
+    calibration = None
+    if w is not None and threshold is None:
+        calibration = calibrate(
+            model, w, [list(p) + list(r) for p, r in zip(prompts, references) if len(p) + len(r) > 1]
+        )
+        threshold = calibration.threshold
     return IdentityReport(
-        [compare(model, p, r, o, threshold=threshold) for p, r, o in zip(prompts, references, outputs)]
+        [compare(model, p, r, o, threshold=threshold) for p, r, o in zip(prompts, references, outputs)], calibration
     )
 
 
@@ -213,15 +268,17 @@ def compare_with_hf(
     *,
     progress: bool = True,
     threshold: float | None = None,
+    w=None,
 ) -> IdentityReport:
-    """Run HF ``generate`` on every prompt and apply the rule to ``outputs`` (the course engine's)."""
+    """Run HF ``generate`` on every prompt and apply the rule to ``outputs`` (the course engine's); ``w``
+    calibrates the threshold as in :func:`compare_all`."""
     it = prompts
     if progress:
         from tqdm.auto import tqdm
 
         it = tqdm(prompts, desc="HF generate", leave=False)
     references = [hf_greedy(model, p, max_new_tokens, eos_token_id) for p in it]
-    return compare_all(model, prompts, references, outputs, threshold=threshold)
+    return compare_all(model, prompts, references, outputs, threshold=threshold, w=w)
 
 
 # ---- calibration: the threshold this run's rounding needs (issue 23) -----------------------------------------
@@ -270,11 +327,23 @@ def course_logits(w, ids: list[int]) -> torch.Tensor:
     return forward(w, batch, DenseKVCache(len(w.layers)), last_only=False)
 
 
+_CALIBRATIONS: dict[tuple, Calibration] = {}  # a notebook compares several engines on the same tokens: measure once
+
+
 def calibrate(model, w, sequences: list[list[int]], *, safety: float = CALIBRATION_SAFETY) -> Calibration:
     """Measure this run's rounding on ``sequences`` (prompts with their reference continuations) and return the
-    threshold it justifies (:class:`Calibration`)."""
+    threshold it justifies (:class:`Calibration`). The same model, weights and sequences are measured once."""
     if not sequences or any(len(s) < 2 for s in sequences):
         raise ValueError("calibration needs sequences of at least two tokens")
+    key = (id(model), w.lm_head.data_ptr(), safety, tuple(tuple(int(t) for t in s) for s in sequences))
+    if key not in _CALIBRATIONS:
+        if len(_CALIBRATIONS) > 16:
+            _CALIBRATIONS.clear()
+        _CALIBRATIONS[key] = _measure(model, w, sequences, safety)
+    return _CALIBRATIONS[key]
+
+
+def _measure(model, w, sequences: list[list[int]], safety: float) -> Calibration:
     device, dtype = _model_device_dtype(model)
     deltas, margins = [], []
     with torch.inference_mode():

@@ -57,12 +57,18 @@ def test_a_divergence_at_a_clear_margin_is_a_failure(tiny):
     ref = identity.hf_greedy(model, prompt, 8, None)
     k = next(i for i in range(1, len(ref)) if identity.hf_margin(model, prompt, ref[:i]) > 1e-3)  # not at the tie
     margin = identity.hf_margin(model, prompt, ref[:k])
-    wrong = ref[:k] + [(ref[k] + 7) % model.config.vocab_size] + ref[k + 1 :]
+    with torch.inference_mode():
+        runner_up = int(model(input_ids=torch.tensor([prompt + ref[:k]])).logits[0, -1].topk(2).indices[1])
+    # HF's runner-up at step k, then HF's greedy choices on that text: wrong only by the margin at step k
+    wrong = ref[:k] + [runner_up] + identity.hf_greedy(model, prompt + ref[:k] + [runner_up], len(ref) - k - 1, None)
     c = identity.compare(model, prompt, ref, wrong)
     assert c.verdict == identity.DIFFERENT and not c.ok and c.agreed == k
     assert c.margin == pytest.approx(margin) and "instead of" in c.describe()
     # the same divergence passes only under a threshold above its margin: the threshold is what decides
     assert identity.compare(model, prompt, ref, wrong, threshold=2 * margin).verdict == identity.NEAR_TIE_VERDICT
+    # ... and only for the runner-up: a token further down HF's list is more than the margin away
+    far = ref[:k] + [(ref[k] + 7) % model.config.vocab_size] + wrong[k + 1 :]
+    assert identity.compare(model, prompt, ref, far, threshold=2 * margin).verdict == identity.DIFFERENT
 
 
 def test_stopping_early_or_running_on_is_a_failure(tied):

@@ -67,6 +67,45 @@ def test_a_planted_kv_bug_is_caught_by_the_calibrated_threshold_and_excused_by_t
     assert identity.compare_all(model, prompts, hf, correct.generate(prompts, new), threshold=cal.threshold).ok
 
 
+@pytest.mark.parametrize("seed", [1, 2, 4])
+def test_a_small_planted_bug_is_caught_on_every_workload_with_the_later_tokens_checked(fp16_model, seed):
+    """V written 10 % small: the first divergence alone sits at near-ties (it flips the nearest first); the tokens
+    after it, checked on the output's own text, give the bug away. Measured over seeds 1-6: 1-6 prompts of 6
+    caught per seed with the calibrated threshold, about half of them by the later-token check; none with the
+    fixed 0.25."""
+    model, w = fp16_model
+    prompts, new = _prompts(seed), 24
+    hf = [identity.hf_greedy(model, p, new, None) for p in prompts]
+    got = Engine(w, _VScaledCache.for_model(w, 64, 4, dtype=torch.float16), stop_at_eos=False).generate(prompts, new)
+    report = identity.compare_all(model, prompts, hf, got, w=w)  # calibrated in the run
+    assert report.calibration is not None and report.different >= 1, report.summary()
+    assert "calibrated near-tie threshold" in report.summary()
+
+
+def test_after_a_near_tie_every_later_token_must_be_hfs_choice_on_the_outputs_own_text(tiny):
+    model, w = tiny
+    prompt = [2, 17, 99, 5, 230, 41]
+    with torch.inference_mode():
+        logits = model(input_ids=torch.tensor([prompt])).logits[0, -1]
+    top = logits.topk(2)
+    margin = float(top.values[0] - top.values[1])
+    threshold = margin * 1.01  # excuse the first divergence on purpose
+    runner_up = int(top.indices[1])
+    reference = identity.hf_greedy(model, prompt, 6, None)
+    honest = [runner_up] + identity.hf_greedy(model, prompt + [runner_up], 5, None)  # greedy on its own text
+    c = identity.compare(model, prompt, reference, honest, threshold=threshold)
+    assert c.verdict == identity.NEAR_TIE_VERDICT and c.agreed == 0 and c.later_ties == 0, c
+    with torch.inference_mode():
+        after = model(input_ids=torch.tensor([prompt + [runner_up]])).logits[0, -1]
+    worst = int(after.argmin())  # a clear non-choice right after the excused divergence
+    c = identity.compare(model, prompt, reference, [runner_up, worst] + honest[2:], threshold=threshold)
+    assert c.verdict == identity.DIFFERENT and "but then token 1" in c.detail, c
+    third = int(logits.topk(3).indices[2])  # the diverging token itself must be a near-tie with HF's choice
+    if float(top.values[0] - logits[third]) >= threshold:
+        c = identity.compare(model, prompt, reference, [third] + honest[1:], threshold=threshold)
+        assert c.verdict == identity.DIFFERENT, c
+
+
 def test_calibration_refuses_what_it_cannot_measure(tiny):
     model, w = tiny
     with pytest.raises(ValueError, match="at least two tokens"):
