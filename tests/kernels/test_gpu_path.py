@@ -18,25 +18,20 @@ from helpers import hf_greedy
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from course_tools.gpu_checks import engine_kinds
 from lesson_utils import benchmark
 from lesson_utils import device_discipline as dd
 from lesson_utils.cache import attention, paged
 from lesson_utils.cache import contiguous as contiguous_cache
 from lesson_utils.cache.paged import PagedKVCache
-from lesson_utils.cache.reserved import ReservedKVCache
-from lesson_utils.cache.triton_paged import TritonPagedKVCache, UnifiedTritonKVCache
 from lesson_utils.checks import lesson01, lesson03, lesson04
 from lesson_utils.device_discipline import DEVICE, DeviceMismatch, discipline
 from lesson_utils.env import Profile
 from lesson_utils.kernels import paged_attention as K
 from lesson_utils.memory import contiguous
-from lesson_utils.memory.block_manager import BlockManager
-from lesson_utils.memory.reservation import ContiguousReservationManager
-from lesson_utils.memory.sharing import SharingBlockManager
 from lesson_utils.memory.swap import SwapSpace
 from lesson_utils.model.opt_forward import OPTWeights, generate_greedy
 from lesson_utils.serving.engine import Engine
-from lesson_utils.serving.token_budget import ChunkedPrefill
 from lesson_utils.types import Request
 
 N_NEW = 6
@@ -233,52 +228,6 @@ def test_kernels_without_validation_never_read_back_from_the_device():
         torch.testing.assert_close(kc.view(-1, 2, 16)[40], q[1, :2])
 
 
-def _engines(w):
-    yield "paged", Engine(w, PagedKVCache.for_model(w, num_blocks=40, block_size=16))
-    yield (
-        "paged (batched decode)",
-        Engine(w, PagedKVCache.for_model(w, num_blocks=40, block_size=16, batched_decode=True)),
-    )
-    yield (
-        "Triton",
-        Engine(
-            w,
-            TritonPagedKVCache(
-                w.num_layers, w.num_heads, w.head_dim, BlockManager(40, 16), dtype=w.dtype, device=w.device
-            ),
-        ),
-    )
-    yield (
-        "paged + prefix cache",
-        Engine(w, PagedKVCache.for_model(w, manager=SharingBlockManager(40, 16, max_seq_len=w.max_positions))),
-    )
-    yield (
-        "naive",
-        Engine(
-            w,
-            ReservedKVCache.for_model(
-                w, ContiguousReservationManager(4 * w.max_positions, "max", max_seq_len=w.max_positions)
-            ),
-        ),
-    )
-    yield (
-        "chunked (unified kernel)",
-        Engine(w, UnifiedTritonKVCache.for_model(w, 40, 16), chunked_prefill=ChunkedPrefill(8)),
-    )
-    yield (
-        "chunked (gather)",
-        Engine(w, PagedKVCache.for_model(w, num_blocks=40, block_size=4), chunked_prefill=ChunkedPrefill(8)),
-    )
-    # short of memory: preemptions happen, by recompute and by swap
-    yield "preempted (recompute)", Engine(w, PagedKVCache.for_model(w, num_blocks=7, block_size=8))
-    yield (
-        "preempted (swap)",
-        Engine(
-            w, PagedKVCache.for_model(w, num_blocks=7, block_size=8), preemption_mode="swap", swap_space=SwapSpace(40)
-        ),
-    )
-
-
 def test_every_engine_serves_on_the_device_with_at_most_two_syncs_a_step(on_device):
     """On a GPU the host syncs, not the kernels, set a small model's step time: one ``.tolist()`` per sequence
     per step and three checks per layer used to be there. Budget: 2 per step (the next tokens, and sampling),
@@ -289,7 +238,7 @@ def test_every_engine_serves_on_the_device_with_at_most_two_syncs_a_step(on_devi
     workloads = {False: (_prompts(w), N_NEW), True: (_prompts(w, (12, 20, 25, 31, 9)), 20)}  # True: preempted
     want = {k: [hf_greedy(model, p, n, w.eos_token_id) for p in ps] for k, (ps, n) in workloads.items()}
     with discipline() as mode:
-        for name, engine in _engines(w):
+        for name, engine in engine_kinds(w):
             prompts, n_new = workloads[name.startswith("preempted")]
             seqs = [engine.add_request(p, n_new) for p in prompts]
             per_step, swapped_out = [], []

@@ -1,0 +1,283 @@
+"""What a GPU run measures besides the notebooks (issue 23): each part takes its device, sizes and timer as
+arguments, so the same code runs on a CPU in the tests (tiny sizes, the Triton interpreter, the device-discipline
+mode's sync counter) and on CUDA in :mod:`course_tools.gpu_run` (real sizes, ``triton.testing.do_bench``,
+``torch.cuda.set_sync_debug_mode``).
+
+* :func:`copy_bandwidth` - the device's measured copy bandwidth, the yardstick for the kernels;
+* :func:`decode_kernel_bench` - lesson 04's kernel (both variants) against gather + SDPA and contiguous SDPA, by
+  context length: time, K/V bytes read per second, and that as a share of the copy bandwidth;
+* :func:`unified_kernel_bench` - lesson 08's kernel against lesson 04's on decodes and gather + SDPA on chunks;
+* :func:`engine_kinds` and :func:`syncs_per_step` - every engine the course builds, and the syncs of each step;
+* :func:`identity_stats` - every engine's outputs under the identity rule, threshold calibrated in the run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import statistics
+import time
+import warnings
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+import torch
+
+Timer = Callable[[Callable[[], object]], float]  # fn -> milliseconds per call
+
+
+def perf_counter_timer(repeats: int = 3) -> Timer:
+    """A host-clock timer for a CPU (tests): median of ``repeats`` calls after one warm-up, in ms."""
+
+    def timer(fn) -> float:
+        fn()
+        samples = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            fn()
+            samples.append((time.perf_counter() - t0) * 1e3)
+        return statistics.median(samples)
+
+    return timer
+
+
+def copy_bandwidth(device, timer: Timer, mib: int = 256) -> float:
+    """GB/s of a device-to-device copy of ``mib`` MiB (read + write counted, as the kernels' reads are)."""
+    src = torch.empty(mib * 2**20, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    ms = timer(lambda: dst.copy_(src))
+    return 2 * src.numel() / (ms * 1e-3) / 1e9
+
+
+@dataclass(frozen=True)
+class KernelRow:
+    """One way of computing one case: its time, and the K/V bytes it must read per second of that time."""
+
+    kernel: str
+    case: str  # e.g. "decode, 32 seqs x 1024 tokens"
+    context: int
+    ms: float
+    gb_per_s: float
+    share_of_copy: float  # gb_per_s over the measured copy bandwidth
+    max_error: float  # against gather + SDPA (or lesson 04's kernel), checked once before timing
+
+
+def _decode_inputs(batch, context, heads, head_dim, block_size, dtype, device, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    nb = batch * -(-context // block_size)
+    kc = torch.randn(nb, block_size, heads, head_dim, generator=g).to(dtype=dtype, device=device)
+    vc = torch.randn(nb, block_size, heads, head_dim, generator=g).to(dtype=dtype, device=device)
+    tables = torch.randperm(nb, generator=g).view(batch, -1).to(dtype=torch.int32, device=device)
+    lens = torch.full((batch,), context, dtype=torch.int32, device=device)
+    q = torch.randn(batch, heads, head_dim, generator=g).to(dtype=dtype, device=device)
+    return q, kc, vc, tables, lens
+
+
+def _gather_sdpa_decode(q, kc, vc, tables, context):
+    k = kc[tables.long()].flatten(1, 2)[:, :context].transpose(1, 2)  # [batch, heads, context, d]
+    v = vc[tables.long()].flatten(1, 2)[:, :context].transpose(1, 2)
+    return torch.nn.functional.scaled_dot_product_attention(q[:, :, None], k, v)[:, :, 0]
+
+
+def _decode_ways(q, kc, vc, tables, lens, context) -> dict[str, Callable[[], torch.Tensor]]:
+    from lesson_utils.kernels import paged_attention as kernels
+
+    kcont = kc[tables.long()].flatten(1, 2)[:, :context].transpose(1, 2).contiguous()
+    vcont = vc[tables.long()].flatten(1, 2)[:, :context].transpose(1, 2).contiguous()
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def paged(variant):
+        return lambda: kernels.paged_attention_decode(q, kc, vc, tables, lens, variant=variant, validate=False)
+
+    ways = {f"paged ({v})": paged(v) for v in kernels.VARIANTS}
+    ways["gather + SDPA"] = lambda: _gather_sdpa_decode(q, kc, vc, tables, context)
+    ways["contiguous SDPA"] = lambda: sdpa(q[:, :, None], kcont, vcont)[:, :, 0]
+    return ways
+
+
+def decode_kernel_bench(
+    device, dtype, timer: Timer, copy_gbs: float, *, batch=32, contexts=(256, 1024, 4096), heads=12, head_dim=64,
+    block_size=16,
+) -> list[KernelRow]:  # fmt: skip
+    """Lesson 04's decode kernel (simple and tiled) against gather + SDPA and contiguous SDPA (no paging: the lower
+    bound), ``batch`` sequences per context length. Bytes: K and V of every context token, one layer."""
+    rows = []
+    for context in contexts:
+        q, kc, vc, tables, lens = _decode_inputs(batch, context, heads, head_dim, block_size, dtype, device)
+        ways = _decode_ways(q, kc, vc, tables, lens, context)
+        want = ways["gather + SDPA"]().float()
+        nbytes = 2 * batch * context * heads * head_dim * kc.element_size()
+        for name, fn in ways.items():
+            error = float((fn().float() - want).abs().max())
+            ms = timer(fn)
+            gbs = nbytes / (ms * 1e-3) / 1e9
+            rows.append(
+                KernelRow(name, f"decode, {batch} seqs x {context} tokens", context, ms, gbs, gbs / copy_gbs, error)
+            )
+    return rows
+
+
+def unified_kernel_bench(
+    device, dtype, timer: Timer, copy_gbs: float, *, cases=((32, 1, 1024), (32, 1, 4096), (4, 256, 1024)), heads=12,
+    head_dim=64, block_size=16,
+) -> list[KernelRow]:  # fmt: skip
+    """Lesson 08's unified kernel against lesson 04's kernel on decodes (query length 1) and gather + SDPA on chunks,
+    per ``(seqs, query_len, context)``: :func:`lesson_utils.benchmark.time_unified_kernel`, with bytes."""
+    from lesson_utils.benchmark import time_unified_kernel
+
+    rows = []
+    for t in time_unified_kernel(
+        cases, heads=heads, head_dim=head_dim, block_size=block_size, dtype=dtype, device=device, timer=timer
+    ):
+        nbytes = 2 * t.seqs * t.context * heads * head_dim * torch.empty((), dtype=dtype).element_size()
+        case = f"{'decode' if t.query_len == 1 else f'chunk of {t.query_len}'}, {t.seqs} seqs x {t.context} tokens"
+        for name, ms in (("unified", t.unified_ms), (t.baseline, t.baseline_ms)):
+            gbs = nbytes / (ms * 1e-3) / 1e9
+            rows.append(KernelRow(name, case, t.context, ms, gbs, gbs / copy_gbs, t.max_error))
+    return rows
+
+
+# ---- engines ------------------------------------------------------------------------------------------------
+
+
+def engine_kinds(w) -> Iterator[tuple[str, object]]:
+    """Every engine the course builds, on ``w``'s device and dtype, as ``(name, engine)``. The two "preempted" ones
+    are short of memory (7 blocks of 8) so that a longer workload preempts, by recompute and by swap."""
+    from lesson_utils.cache.paged import PagedKVCache
+    from lesson_utils.cache.reserved import ReservedKVCache
+    from lesson_utils.cache.triton_paged import TritonPagedKVCache, UnifiedTritonKVCache
+    from lesson_utils.memory.block_manager import BlockManager
+    from lesson_utils.memory.reservation import ContiguousReservationManager
+    from lesson_utils.memory.sharing import SharingBlockManager
+    from lesson_utils.memory.swap import SwapSpace
+    from lesson_utils.serving.engine import Engine
+    from lesson_utils.serving.token_budget import ChunkedPrefill
+
+    yield "paged", Engine(w, PagedKVCache.for_model(w, num_blocks=40, block_size=16))
+    yield (
+        "paged (batched decode)",
+        Engine(w, PagedKVCache.for_model(w, num_blocks=40, block_size=16, batched_decode=True)),
+    )
+    triton = TritonPagedKVCache(
+        w.num_layers, w.num_kv_heads, w.head_dim, BlockManager(40, 16), dtype=w.dtype, device=w.device
+    )
+    yield "Triton", Engine(w, triton)
+    yield (
+        "paged + prefix cache",
+        Engine(w, PagedKVCache.for_model(w, manager=SharingBlockManager(40, 16, max_seq_len=w.max_positions))),
+    )
+    naive = ContiguousReservationManager(4 * w.max_positions, "max", max_seq_len=w.max_positions)
+    yield "naive", Engine(w, ReservedKVCache.for_model(w, naive))
+    yield (
+        "chunked (unified kernel)",
+        Engine(w, UnifiedTritonKVCache.for_model(w, 40, 16), chunked_prefill=ChunkedPrefill(8)),
+    )
+    yield (
+        "chunked (gather)",
+        Engine(w, PagedKVCache.for_model(w, num_blocks=40, block_size=4), chunked_prefill=ChunkedPrefill(8)),
+    )
+    yield "preempted (recompute)", Engine(w, PagedKVCache.for_model(w, num_blocks=7, block_size=8))
+    swap = PagedKVCache.for_model(w, num_blocks=7, block_size=8)
+    yield "preempted (swap)", Engine(w, swap, preemption_mode="swap", swap_space=SwapSpace(40))
+
+
+def is_preempted(name: str) -> bool:
+    return name.startswith("preempted")
+
+
+@contextlib.contextmanager
+def cuda_sync_counter() -> Iterator[list]:
+    """Counts CUDA's own record of synchronizing calls (``torch.cuda.set_sync_debug_mode("warn")``): yields a list
+    that holds one warning message per sync once the block ends."""
+    found: list = []
+    previous = torch.cuda.get_sync_debug_mode()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            yield found
+        finally:
+            torch.cuda.set_sync_debug_mode(previous)
+    found.extend(str(c.message) for c in caught if "synchroniz" in str(c.message).lower())
+
+
+@contextlib.contextmanager
+def discipline_sync_counter() -> Iterator[list]:
+    """The device-discipline mode's count (a CPU standing for the GPU), in the same shape as :func:`cuda_sync_counter`."""
+    from lesson_utils import device_discipline as dd
+
+    found: list = []
+    with dd.count_syncs() as c:
+        yield found
+    found.extend(c.why)
+
+
+@dataclass(frozen=True)
+class StepSyncs:
+    """One engine's syncs per step over a workload, and what caused the worst step's."""
+
+    engine: str
+    steps: int
+    max_per_step: int
+    median_per_step: float
+    swap_out_steps: int  # steps that swapped blocks out (each waits once, on purpose)
+    worst: tuple[str, ...]
+
+
+def syncs_per_step(name: str, engine, prompts, max_new_tokens: int, counter) -> StepSyncs:
+    """Serve ``prompts`` step by step, counting each step's syncs with ``counter`` (a context manager factory
+    yielding a list, as :func:`cuda_sync_counter`). A step that swaps out counts one sync less: that wait is
+    deliberate (the staging buffer must land before the host reads it) and reported apart."""
+    for p in prompts:
+        engine.add_request(p, max_new_tokens)
+    counts, worst, swap_steps = [], (), 0
+    space = engine.scheduler.swap_space
+    while engine.scheduler.has_work:
+        before = space.blocks_out if space is not None else 0
+        with counter() as found:
+            engine.step()
+        swapped = space is not None and space.blocks_out > before
+        swap_steps += swapped
+        n = len(found) - swapped
+        if not counts or n > max(counts):
+            worst = tuple(found)
+        counts.append(n)
+    return StepSyncs(name, len(counts), max(counts), statistics.median(counts), swap_steps, worst)
+
+
+@dataclass(frozen=True)
+class IdentityStats:
+    engine: str
+    summary: str  # IdentityReport.summary(): verdicts, threshold, the share of steps it could excuse
+    ok: bool
+    identical: int
+    near_ties: int
+    different: int
+    threshold: float
+    excusable_share: float | None
+
+
+def identity_stats(model, w, prompts, max_new_tokens: int, *, references=None) -> list[IdentityStats]:
+    """Every engine kind's greedy outputs against HF ``generate`` under the identity rule, the threshold calibrated
+    in the run (:func:`lesson_utils.identity.compare_all` with ``w``)."""
+    from lesson_utils import identity
+
+    if references is None:
+        references = [identity.hf_greedy(model, p, max_new_tokens, w.eos_token_id) for p in prompts]
+    out = []
+    for name, engine in engine_kinds(w):
+        got = engine.generate(prompts, max_new_tokens)
+        report = identity.compare_all(model, prompts, references, got, w=w)
+        cal = report.calibration
+        out.append(
+            IdentityStats(
+                name,
+                report.summary(),
+                report.ok,
+                report.identical,
+                report.near_ties,
+                report.different,
+                report.comparisons[0].threshold,
+                cal.excusable_share if cal else None,
+            )  # fmt: skip
+        )
+    return out
