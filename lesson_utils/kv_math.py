@@ -131,3 +131,29 @@ def predict_capacity(budget_slots: int, max_model_len: int, block_size: int, tok
         blocks_left -= need
         paged += 1
     return Capacity(naive, sum(tokens_held[:naive]) / budget_slots, paged, sum(tokens_held[:paged]) / budget_slots)
+
+
+# ---- lesson 10: the bytes of an int8 cache, by where its scales live ------------------------------------------
+
+KV_LAYOUTS = ("fp16", "int8, separate scales", "int8, inline scales")
+SCALE_BYTES = 4  # one float32 scale per token and head
+INLINE_ALIGN = 16  # a head's bytes start on a 16-byte boundary when its scale is stored inline (vector loads)
+
+
+def int8_kv_bytes_per_token(config, layout: str) -> int:
+    """Bytes one token's K and V occupy across all layers, in one of :data:`KV_LAYOUTS` (exercise 10-2's reference):
+
+    * ``"fp16"``: lesson 00's formula with 2 bytes per element;
+    * ``"int8, separate scales"``: 1 byte per element, plus a float32 scale per head in a tensor of its own,
+      indexed by the same slots;
+    * ``"int8, inline scales"``: the scale stored at the end of each head's bytes, each head's bytes rounded up to
+      a multiple of :data:`INLINE_ALIGN` so that the next head starts aligned (OPT-125m: 64 + 4 -> 80 bytes).
+    """
+    per_head = {
+        "fp16": 2 * head_dim_of(config),
+        "int8, separate scales": head_dim_of(config) + SCALE_BYTES,
+        "int8, inline scales": -(-(head_dim_of(config) + SCALE_BYTES) // INLINE_ALIGN) * INLINE_ALIGN,
+    }
+    if layout not in per_head:
+        raise ValueError(f"unknown layout {layout!r}; choose one of {KV_LAYOUTS}")
+    return 2 * int(config.num_hidden_layers) * kv_heads_of(config) * per_head[layout]

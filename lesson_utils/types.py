@@ -213,3 +213,7 @@ class MemoryManager(Protocol):
 
     def breakdown(self) -> dict[str, int]:
         """Slots by kind: token states, reserved, internal fragmentation, free (sums to total_slots)."""
+
+
+class KVQuantError(ValueError):
+    """Lesson 10: a K/V vector an int8 cache cannot hold (NaN or inf); the message names where it is."""

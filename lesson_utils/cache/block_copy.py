@@ -69,8 +69,8 @@ def unpack_blocks(
             or f"{packed.dim()} dimensions instead of 6"
         )
         raise ValueError(f"the packed tensor does not fit this cache and these blocks: {wrong}")
-    if not packed.dtype.is_floating_point:
-        raise TypeError(f"packed holds K/V values (a floating dtype), got {packed.dtype}")
+    if not packed.dtype.is_floating_point and packed.dtype != k_cache[0].dtype:
+        raise TypeError(f"packed holds K/V values (a floating dtype, or the cache's own), got {packed.dtype}")
     packed = packed.to(device=k_cache[0].device, dtype=k_cache[0].dtype)
     for layer, (kc, vc) in enumerate(zip(k_cache, v_cache)):
         kc[index] = packed[0, layer]

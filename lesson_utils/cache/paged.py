@@ -49,6 +49,29 @@ def slot_mapping(batch: StepBatch, block_tables: list[list[int]], block_size: in
     return to_device(slots, torch.long, batch.positions.device)
 
 
+def swap_out_blocks(k_cache, v_cache, copies: list[tuple[int, int]], host: torch.Tensor) -> None:
+    """``(gpu, cpu)`` blocks of every layer's ``k_cache``/``v_cache`` into ``host`` ``[2, layers, cpu blocks, ...]``:
+    one gather, one asynchronous copy into pinned staging, one wait, one scatter on the host."""
+    device = k_cache[0].device
+    cpu = torch.tensor([c for _, c in copies])  # host index into the host swap space
+    gathered = pack_blocks(k_cache, v_cache, [g for g, _ in copies])
+    staging = torch.empty(gathered.shape, dtype=gathered.dtype, pin_memory=wants_pinned(device))
+    staging.copy_(gathered, non_blocking=True)
+    synchronize(device, "a swap-out's blocks must land before the host reads them")
+    host[:, :, cpu] = staging
+
+
+def swap_in_blocks(k_cache, v_cache, copies: list[tuple[int, int]], host: torch.Tensor) -> None:
+    """``(cpu, gpu)`` blocks from ``host`` back into the caches: one host-to-device copy from pinned memory,
+    queued on the GPU's stream; nothing waits (PyTorch keeps the pinned buffer alive until it is read)."""
+    cpu = torch.tensor([c for c, _ in copies])
+    staging = torch.empty(
+        (2, len(k_cache), len(copies)) + tuple(host.shape[3:]), dtype=host.dtype, pin_memory=host.is_pinned()
+    )
+    torch.index_select(host, 2, cpu, out=staging)
+    unpack_blocks(staging.to(k_cache[0].device, non_blocking=True), k_cache, v_cache, [g for _, g in copies])
+
+
 class PagedKVCache:
     def __init__(
         self,
@@ -140,30 +163,14 @@ class PagedKVCache:
     def swap_out(self, copies: list[tuple[int, int]], space) -> None:
         """Copy ``(gpu, cpu)`` blocks into the swap space's CPU tensors (lesson 06): one device-to-host copy
         and one wait for it (the host must not read the staging buffer before the data has landed)."""
-        if not copies:
-            return
-        device = self.k_cache[0].device
-        cpu = torch.tensor([c for _, c in copies])  # host index into the host swap space
-        gathered = pack_blocks(self.k_cache, self.v_cache, [g for g, _ in copies])
-        staging = torch.empty(gathered.shape, dtype=gathered.dtype, pin_memory=wants_pinned(device))
-        staging.copy_(gathered, non_blocking=True)
-        synchronize(device, "a swap-out's blocks must land before the host reads them")
-        space.kv[:, :, cpu] = staging
+        if copies:
+            swap_out_blocks(self.k_cache, self.v_cache, copies, space.kv)
 
     def swap_in(self, copies: list[tuple[int, int]], space) -> None:
         """Copy ``(cpu, gpu)`` blocks back from the swap space (lesson 06): one host-to-device copy from pinned
         memory, queued on the GPU's stream; nothing waits (PyTorch keeps the pinned buffer alive until it is read)."""
-        if not copies:
-            return
-        device = self.k_cache[0].device
-        cpu = torch.tensor([c for c, _ in copies])
-        staging = torch.empty(
-            (2, len(self.k_cache), len(copies)) + tuple(space.kv.shape[3:]),
-            dtype=space.kv.dtype,
-            pin_memory=space.kv.is_pinned(),
-        )
-        torch.index_select(space.kv, 2, cpu, out=staging)
-        unpack_blocks(staging.to(device, non_blocking=True), self.k_cache, self.v_cache, [g for _, g in copies])
+        if copies:
+            swap_in_blocks(self.k_cache, self.v_cache, copies, space.kv)
 
     def copy_block(self, src: int, dst: int) -> None:
         """Copy one block's K/V in every layer (copy-on-write's data movement)."""

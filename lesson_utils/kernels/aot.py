@@ -32,8 +32,8 @@ TARGET_GPUS = {"sm_75": "T4", "sm_80": "A100", "sm_89": "L4", "sm_90": "H100"}
 class KernelConfig:
     """One compiled specialisation of a course kernel."""
 
-    kernel: str  # "decode-simple", "decode-tiled", "write-kv" or "unified" (lesson 08)
-    dtype: str  # "fp16" or "fp32"
+    kernel: str  # "decode-simple", "decode-tiled", "write-kv", "unified" (lesson 08) or "write-int8" (lesson 10)
+    dtype: str  # "fp16" or "fp32" (the queries'; "int8" for lesson 10's caches: fp16 queries, int8 K/V + scales)
     head_dim: int
     block_size: int = 16
     group: int = 1
@@ -42,7 +42,7 @@ class KernelConfig:
 
     @property
     def label(self) -> str:
-        if self.kernel == "write-kv":
+        if self.kernel in ("write-kv", "write-int8"):
             return f"{self.kernel} {self.dtype} row={self.num_kv_heads}x{self.head_dim}"
         if self.kernel == "unified":
             return f"{self.kernel} {self.dtype} d={self.head_dim} bs={self.block_size} gqa={self.group}:1 q-tile={self.block_q}"
@@ -73,6 +73,17 @@ def unified_configs() -> list[KernelConfig]:
         KernelConfig("unified", "fp16", 64, 16, 1, block_q=1),
         KernelConfig("unified", "fp32", 64, 16, 1, block_q=8),
         KernelConfig("unified", "fp16", 128, 16, 4, block_q=8),
+    ]
+
+
+def int8_configs() -> list[KernelConfig]:
+    """Lesson 10: OPT-125m's geometry on a T4 with an int8 cache - the quantizing write, the decode kernel (both
+    variants) and the unified kernel reading int8 tiles and their scales."""
+    return [
+        KernelConfig("write-int8", "int8", 64, num_kv_heads=12),
+        KernelConfig("decode-simple", "int8", 64, 16, 1),
+        KernelConfig("decode-tiled", "int8", 64, 16, 1),
+        KernelConfig("unified", "int8", 64, 16, 1, block_q=8),
     ]
 
 
@@ -115,8 +126,28 @@ def _compile_one(cfg: KernelConfig, target: str) -> CompileResult:
 
     from lesson_utils.kernels import paged_attention as kernels
 
-    ptr = "*fp16" if cfg.dtype == "fp16" else "*fp32"
-    if cfg.kernel == "write-kv":
+    ptr = "*fp32" if cfg.dtype == "fp32" else "*fp16"  # queries and outputs (fp16 beside an int8 cache)
+    cache = "*i8" if cfg.dtype == "int8" else ptr
+    scales = {"k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32"}
+    load = kernels.load_tile
+    if cfg.dtype == "int8":
+        from lesson_utils.kernels import int8_kv
+
+        load = int8_kv.load_int8_tile
+    if cfg.kernel == "write-int8":
+        from lesson_utils.kernels import int8_kv
+
+        fn = int8_kv.write_int8_kv_kernel
+        signature = {"k_ptr": "*fp16", "v_ptr": "*fp16", "k_cache_ptr": "*i8", "v_cache_ptr": "*i8", **scales}
+        signature |= {"slot_mapping_ptr": "*i32", "stride_k_token": "i32", "stride_v_token": "i32"}
+        signature |= {name: "constexpr" for name in ("HEADS", "HEADS_P", "HEAD_DIM", "HEAD_DIM_P")}
+        constexprs = {
+            "HEADS": cfg.num_kv_heads,
+            "HEADS_P": triton.next_power_of_2(cfg.num_kv_heads),
+            "HEAD_DIM": cfg.head_dim,
+            "HEAD_DIM_P": triton.next_power_of_2(cfg.head_dim),
+        }
+    elif cfg.kernel == "write-kv":
         row = cfg.num_kv_heads * cfg.head_dim
         fn = kernels.write_kv_kernel
         signature = {
@@ -139,8 +170,9 @@ def _compile_one(cfg: KernelConfig, target: str) -> CompileResult:
         signature = {
             "out_ptr": ptr,
             "q_ptr": ptr,
-            "k_cache_ptr": ptr,
-            "v_cache_ptr": ptr,
+            "k_cache_ptr": cache,
+            "v_cache_ptr": cache,
+            **scales,
             "block_tables_ptr": "*i32",
             "query_start_ptr": "*i32",
             "context_lens_ptr": "*i32",
@@ -152,6 +184,7 @@ def _compile_one(cfg: KernelConfig, target: str) -> CompileResult:
             "stride_bt_seq": "i32",
             "stride_slot": "i32",
             "stride_kv_head": "i32",
+            "stride_scale_slot": "i32",
             "GROUP": "constexpr",
             "HEAD_DIM": "constexpr",
             "HEAD_DIM_P": "constexpr",
@@ -159,6 +192,7 @@ def _compile_one(cfg: KernelConfig, target: str) -> CompileResult:
             "BLOCK_Q": "constexpr",
             "TILE": "constexpr",
             "MASK": "constexpr",
+            "LOAD": "constexpr",
         }
         constexprs = {
             "GROUP": cfg.group,
@@ -168,14 +202,16 @@ def _compile_one(cfg: KernelConfig, target: str) -> CompileResult:
             "BLOCK_Q": cfg.block_q,
             "TILE": cfg.block_size,
             "MASK": unified.causal_mask,
+            "LOAD": load,
         }
     else:
         fn = kernels.paged_decode_kernel
         signature = {
             "out_ptr": ptr,
             "q_ptr": ptr,
-            "k_cache_ptr": ptr,
-            "v_cache_ptr": ptr,
+            "k_cache_ptr": cache,
+            "v_cache_ptr": cache,
+            **scales,
             "block_tables_ptr": "*i32",
             "context_lens_ptr": "*i32",
             "scale": "fp32",
@@ -186,6 +222,7 @@ def _compile_one(cfg: KernelConfig, target: str) -> CompileResult:
             "stride_bt_seq": "i32",
             "stride_slot": "i32",
             "stride_kv_head": "i32",
+            "stride_scale_slot": "i32",
             "GROUP": "constexpr",
             "HEAD_DIM": "constexpr",
             "HEAD_DIM_P": "constexpr",
@@ -193,6 +230,7 @@ def _compile_one(cfg: KernelConfig, target: str) -> CompileResult:
             "TILE": "constexpr",
             "SLOTS": "constexpr",
             "UPDATE": "constexpr",
+            "LOAD": "constexpr",
         }
         tile = kernels.tile_tokens(cfg.kernel.removeprefix("decode-"), cfg.block_size, cfg.head_dim)
         constexprs = {
@@ -203,6 +241,7 @@ def _compile_one(cfg: KernelConfig, target: str) -> CompileResult:
             "TILE": tile,
             "SLOTS": kernels.block_slots,
             "UPDATE": kernels.online_softmax_update,
+            "LOAD": load,
         }
     try:
         src = ASTSource(fn=fn, signature=signature, constexprs=constexprs)

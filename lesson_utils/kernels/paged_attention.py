@@ -16,7 +16,8 @@ Two variants of the decode kernel: ``"simple"`` (one block of the table per loop
 lesson builds first) and ``"tiled"`` (``TOKENS_PER_TILE`` tokens - several blocks - per step: longer
 loads, fewer loop steps). The two building blocks every variant shares, :func:`block_slots` and
 :func:`online_softmax_update`, are also lesson 04's exercises; kernels take them as ``constexpr``
-arguments so a learner's versions can be dropped in.
+arguments so a learner's versions can be dropped in. A third, :func:`load_tile`, reads a tile of K or V as
+fp32; lesson 10 passes its int8 version (which also reads the tile's scales) to the same kernels.
 """
 
 from __future__ import annotations
@@ -67,11 +68,20 @@ def online_softmax_update(m_i, l_i, acc, scores, v):
 
 
 @triton.jit
+def load_tile(ptrs, scale_ptrs, mask, token_mask):
+    """A ``[TILE, HEAD_DIM_P]`` tile of K or V as fp32 (an fp16 or fp32 cache has no scales: ``scale_ptrs`` is
+    unused). Lesson 10's int8 caches pass their own version, which multiplies by each token's scale."""
+    return tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
 def paged_decode_kernel(
     out_ptr,
     q_ptr,
     k_cache_ptr,
     v_cache_ptr,
+    k_scale_ptr,  # lesson 10's int8 caches: float32 [num_blocks, block_size, num_kv_heads]; else unused
+    v_scale_ptr,
     block_tables_ptr,
     context_lens_ptr,
     scale,
@@ -82,6 +92,7 @@ def paged_decode_kernel(
     stride_bt_seq,
     stride_slot,
     stride_kv_head,
+    stride_scale_slot,  # num_kv_heads: one scale per slot and KV head
     GROUP: tl.constexpr,  # query heads per KV head
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_P: tl.constexpr,  # HEAD_DIM rounded up to a power of two
@@ -89,6 +100,7 @@ def paged_decode_kernel(
     TILE: tl.constexpr,  # tokens per loop step: BLOCK_SIZE ("simple") or several blocks ("tiled")
     SLOTS: tl.constexpr,  # the block-table lookup (block_slots or a learner's version)
     UPDATE: tl.constexpr,  # the online-softmax step (online_softmax_update or a learner's version)
+    LOAD: tl.constexpr,  # reads a K or V tile as fp32 (load_tile, or lesson 10's int8 version)
 ):
     """One program per (sequence, query head)."""
     seq = tl.program_id(0)
@@ -107,11 +119,12 @@ def paged_decode_kernel(
         slot, token_mask = SLOTS(block_tables_ptr + seq * stride_bt_seq, start, context_len, TILE, BLOCK_SIZE)
         # 64-bit: slot * stride_slot passes 2**31 in a pool of ~2.8M OPT-125m slots (a large GPU's memory)
         offsets = slot.to(tl.int64)[:, None] * stride_slot + kv_head * stride_kv_head + d[None, :]
+        scale_offsets = slot.to(tl.int64) * stride_scale_slot + kv_head
         kv_mask = token_mask[:, None] & d_mask[None, :]
-        k = tl.load(k_cache_ptr + offsets, mask=kv_mask, other=0.0).to(tl.float32)
+        k = LOAD(k_cache_ptr + offsets, k_scale_ptr + scale_offsets, kv_mask, token_mask)
         scores = tl.sum(k * q[None, :], 1) * scale
         scores = tl.where(token_mask, scores, float("-inf"))
-        v = tl.load(v_cache_ptr + offsets, mask=kv_mask, other=0.0).to(tl.float32)
+        v = LOAD(v_cache_ptr + offsets, v_scale_ptr + scale_offsets, kv_mask, token_mask)
         m_i, l_i, acc = UPDATE(m_i, l_i, acc, scores, v)
 
     out = acc / l_i
@@ -204,6 +217,8 @@ def paged_attention_decode(
     update_fn=None,
     num_warps: int = 4,
     validate: bool = True,
+    int8_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+    load_fn=None,
 ) -> torch.Tensor:
     """Decode attention through block tables with a Triton kernel (see the module docstring).
 
@@ -213,11 +228,14 @@ def paged_attention_decode(
     ``[num_seqs, num_heads, head_dim]`` in ``q``'s dtype. ``slots_fn``/``update_fn`` replace the two
     building blocks (lesson 04's exercises). Block ids are trusted: validate tables where they are built.
     ``validate=False`` skips the checks that read ``context_lens`` back from the device (one sync each): for
-    the engine, which checks its host-side lengths itself, and for benchmarks' timed loops.
+    the engine, which checks its host-side lengths itself, and for benchmarks' timed loops. Lesson 10's int8
+    caches come through :func:`lesson_utils.kernels.int8_kv.int8_paged_attention_decode`, which passes their
+    ``int8_scales`` (K's and V's, float32 ``[num_blocks, block_size, num_kv_heads]``) and ``load_fn``.
     """
     if variant not in VARIANTS:
         raise ValueError(f"unknown variant {variant!r}; choose one of {VARIANTS}")
     _check_decode_inputs(q, k_cache, v_cache, block_tables, context_lens, validate)
+    k_scale, v_scale = int8_scales if int8_scales is not None else (k_cache, v_cache)  # unused without int8
     num_seqs, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     if scale is None:
@@ -235,6 +253,8 @@ def paged_attention_decode(
             q,
             k_cache,
             v_cache,
+            k_scale,
+            v_scale,
             block_tables,
             context_lens,
             float(scale),
@@ -245,6 +265,7 @@ def paged_attention_decode(
             block_tables.stride(0),
             k_cache.stride(1),
             k_cache.stride(2),
+            num_kv_heads,
             GROUP=num_heads // num_kv_heads,
             HEAD_DIM=head_dim,
             HEAD_DIM_P=triton.next_power_of_2(head_dim),
@@ -252,6 +273,7 @@ def paged_attention_decode(
             TILE=tile,
             SLOTS=block_slots if slots_fn is None else slots_fn,
             UPDATE=online_softmax_update if update_fn is None else update_fn,
+            LOAD=load_tile if load_fn is None else load_fn,
             num_warps=num_warps,
         )
     return out

@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from lesson_utils.device_discipline import check_kernel_args, kernel_launch
-from lesson_utils.kernels.paged_attention import block_slots
+from lesson_utils.kernels.paged_attention import block_slots, load_tile
 
 
 @triton.jit
@@ -42,6 +42,8 @@ def unified_attention_kernel(
     q_ptr,
     k_cache_ptr,
     v_cache_ptr,
+    k_scale_ptr,  # lesson 10's int8 caches: float32 [num_blocks, block_size, num_kv_heads]; else unused
+    v_scale_ptr,
     block_tables_ptr,
     query_start_ptr,  # [num_seqs + 1]: sequence s's queries are rows query_start[s] .. query_start[s + 1] - 1
     context_lens_ptr,
@@ -53,6 +55,7 @@ def unified_attention_kernel(
     stride_bt_seq,
     stride_slot,
     stride_kv_head,
+    stride_scale_slot,  # num_kv_heads: one scale per slot and KV head
     GROUP: tl.constexpr,  # query heads per KV head
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_P: tl.constexpr,  # HEAD_DIM rounded up to a power of two
@@ -60,6 +63,7 @@ def unified_attention_kernel(
     BLOCK_Q: tl.constexpr,  # query tokens per program
     TILE: tl.constexpr,  # keys per loop step
     MASK: tl.constexpr,  # the causal rule (causal_mask or a learner's version)
+    LOAD: tl.constexpr,  # reads a K or V tile as fp32 (lesson 04's load_tile, or lesson 10's int8 version)
 ):
     seq = tl.program_id(0)
     q_tile = tl.program_id(1)
@@ -88,9 +92,10 @@ def unified_attention_kernel(
             key_pos = start + tl.arange(0, TILE)
             # 64-bit: slot * stride_slot passes 2**31 in a pool of ~2.8M OPT-125m slots (a large GPU's memory)
             offsets = slot.to(tl.int64)[:, None] * stride_slot + kv_head * stride_kv_head + d[None, :]
+            scale_offsets = slot.to(tl.int64) * stride_scale_slot + kv_head
             kv_mask = key_exists[:, None] & d_mask[None, :]
-            k = tl.load(k_cache_ptr + offsets, mask=kv_mask, other=0.0).to(tl.float32)  # [TILE, HEAD_DIM_P]
-            v = tl.load(v_cache_ptr + offsets, mask=kv_mask, other=0.0).to(tl.float32)
+            k = LOAD(k_cache_ptr + offsets, k_scale_ptr + scale_offsets, kv_mask, key_exists)  # [TILE, HEAD_DIM_P]
+            v = LOAD(v_cache_ptr + offsets, v_scale_ptr + scale_offsets, kv_mask, key_exists)
             scores = tl.sum(q[:, None, :] * k[None, :, :], 2) * scale  # [BLOCK_Q, TILE]
             seen = MASK(query_pos, key_pos, context_len) & row_mask[:, None]
             scores = tl.where(seen, scores, float("-inf"))
@@ -127,6 +132,8 @@ def unified_attention(
     mask_fn=None,
     num_warps: int = 4,
     validate: bool = True,
+    int8_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+    load_fn=None,
 ) -> torch.Tensor:
     """Attention of a step's flat batch of queries (chunks and decodes) through block tables, in one launch.
 
@@ -136,7 +143,8 @@ def unified_attention(
     K/V; ``block_tables`` int32 ``[num_seqs, max_blocks]``; ``context_lens`` int32 ``[num_seqs]`` (every token of
     the sequence, the new ones included). ``max_query_len`` (host int: the grid depends on it) is the longest
     query. ``mask_fn`` replaces :func:`causal_mask` (exercise 08-3). ``validate=False`` skips the checks that
-    read lengths back from the device (a sync), for the engine and timed loops.
+    read lengths back from the device (a sync), for the engine and timed loops. ``int8_scales`` and ``load_fn``:
+    lesson 10's int8 caches (:func:`lesson_utils.kernels.int8_kv.int8_unified_attention`).
     """
     check_kernel_args(
         "unified_attention",
@@ -198,6 +206,7 @@ def unified_attention(
     out = torch.empty_like(q)
     if num_seqs == 0 or num_tokens == 0:
         return out
+    k_scale, v_scale = int8_scales if int8_scales is not None else (k_cache, v_cache)  # unused without int8
     block_q = query_tile(max_query_len)
     grid = (num_seqs, triton.cdiv(max_query_len, block_q), num_heads)
     with kernel_launch():
@@ -206,6 +215,8 @@ def unified_attention(
             q,
             k_cache.contiguous(),
             v_cache.contiguous(),
+            k_scale.contiguous(),
+            v_scale.contiguous(),
             block_tables.contiguous(),
             query_start,
             context_lens,
@@ -217,6 +228,7 @@ def unified_attention(
             block_tables.stride(0),
             k_cache.stride(1),
             k_cache.stride(2),
+            num_kv_heads,
             GROUP=num_heads // num_kv_heads,
             HEAD_DIM=head_dim,
             HEAD_DIM_P=triton.next_power_of_2(head_dim),
@@ -224,6 +236,7 @@ def unified_attention(
             BLOCK_Q=block_q,
             TILE=block_size,
             MASK=causal_mask if mask_fn is None else mask_fn,
+            LOAD=load_tile if load_fn is None else load_fn,
             num_warps=num_warps,
         )
     return out

@@ -1,0 +1,170 @@
+"""Lesson 10: the paged KV cache in int8, with one fp32 scale per token and head beside the blocks.
+
+Same block manager, block tables and slot mapping as lesson 03's :class:`~lesson_utils.cache.paged.PagedKVCache`;
+what changes is what a slot holds. Per layer:
+
+* ``k_cache[layer]``, ``v_cache[layer]``: int8 ``[num_blocks, block_size, num_kv_heads, head_dim]``;
+* ``k_scale[layer]``, ``v_scale[layer]``: float32 ``[num_blocks, block_size, num_kv_heads]``, indexed by the same
+  slots: a block's scales move with its values (copy-on-write, swap) wherever the values go.
+
+Invariant: for every written slot, ``v_cache[slot] * v_scale[slot]`` is :func:`~lesson_utils.cache.quantize.
+quantize_kv`'s round trip of the V written there (K alike); the values are never changed in place afterwards.
+
+``write`` quantizes (``quantize_fn``: the course's, or a learner's exercise 10-1) and refuses a non-finite vector
+naming the layer and slot: that check reads one flag per layer back from the device (``check_finite=False`` turns
+it off, e.g. for timing on a GPU, where it is a sync per layer). ``attend`` dequantizes what it gathers and
+attends as lesson 03 does; with ``use_kernels`` (on by default on a GPU) new K/V are quantized by
+:func:`~lesson_utils.kernels.int8_kv.write_int8_kv_to_cache` and decodes read the int8 blocks directly through
+lesson 04's kernel with the int8 tile loader.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from lesson_utils.cache.attention import fused_attention_over_context
+from lesson_utils.cache.paged import PagedKVCache, swap_in_blocks, swap_out_blocks
+from lesson_utils.cache.quantize import KVQuantError, dequantize_kv, quantize_kv
+from lesson_utils.cache.seam import AttentionMetadata
+from lesson_utils.device_discipline import acts_as_gpu
+from lesson_utils.host_copy import to_device, wants_pinned
+from lesson_utils.kernels.int8_kv import int8_paged_attention_decode, write_int8_kv_to_cache
+
+
+@dataclass
+class Int8Metadata(AttentionMetadata):
+    """The paged cache's step metadata, plus the decoding sequences' block tables for the int8 decode kernel."""
+
+    decode_tables: torch.Tensor | None = None
+
+
+class Int8PagedKVCache(PagedKVCache):
+    def __init__(
+        self,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        manager,
+        *,
+        dtype: torch.dtype = torch.float32,
+        device: str = "cpu",
+        quantize_fn: Callable = quantize_kv,
+        use_kernels: bool | None = None,
+        load_fn=None,
+        check_finite: bool = True,
+    ):
+        super().__init__(num_layers, num_kv_heads, head_dim, manager, dtype=torch.int8, device=device)
+        self.compute_dtype = dtype  # what attention computes in: the model's dtype
+        shape = (manager.num_blocks, manager.block_size, num_kv_heads)
+        self.k_scale = [torch.zeros(shape, dtype=torch.float32, device=device) for _ in range(num_layers)]
+        self.v_scale = [torch.zeros(shape, dtype=torch.float32, device=device) for _ in range(num_layers)]
+        self.quantize_fn = quantize_fn
+        self.use_kernels = acts_as_gpu(device) if use_kernels is None else use_kernels
+        self.batched_decode = self.use_kernels  # decodes go to the kernel together; else one by one
+        self.load_fn = load_fn
+        self.check_finite = check_finite
+
+    @property
+    def bytes_per_block(self) -> int:
+        """K and V values (1 byte each) and their scales (4 bytes per token and head), every layer."""
+        k, s = self.k_cache[0], self.k_scale[0]
+        return 2 * len(self.k_cache) * (k[0].numel() * k.element_size() + s[0].numel() * s.element_size())
+
+    def allocated_bytes(self) -> int:
+        """Bytes of every tensor this cache allocated: the capacity measured, not computed from a formula."""
+        return sum(t.numel() * t.element_size() for t in self.k_cache + self.v_cache + self.k_scale + self.v_scale)
+
+    def prepare(self, batch):
+        super().prepare(batch)
+        meta = Int8Metadata(**vars(batch.meta))
+        if meta.decode is not None:  # the kernel's block tables for the decoding sequences, built on the host
+            tables = [meta.block_tables[i] for i in meta.decode.indices]
+            width = max(len(t) for t in tables)
+            padded = [list(t) + [0] * (width - len(t)) for t in tables]
+            meta.decode_tables = to_device(padded, torch.int32, self.k_cache[0].device)
+        batch.meta = meta
+
+    def _scale_views(self):
+        """The scales as ``[num_blocks, block_size, kv_heads, 1]`` views: block copies move them like values."""
+        return [s.unsqueeze(-1) for s in self.k_scale], [s.unsqueeze(-1) for s in self.v_scale]
+
+    def write(self, layer, batch, k, v):
+        slots = batch.meta.slots
+        if self.use_kernels:
+            if self.check_finite:
+                self._refuse_non_finite(layer, batch, k, v)
+            write_int8_kv_to_cache(
+                k, v, self.k_cache[layer], self.v_cache[layer], self.k_scale[layer], self.v_scale[layer],
+                batch.meta.slots.to(torch.int32), validate=False,
+            )  # fmt: skip
+            return
+        if self.check_finite:
+            self._refuse_non_finite(layer, batch, k, v)
+        for values, cache, scales in ((k, self.k_cache, self.k_scale), (v, self.v_cache, self.v_scale)):
+            q, s = self.quantize_fn(values)
+            c = cache[layer]
+            c.view(-1, c.shape[2], c.shape[3])[slots] = q
+            scales[layer].view(-1, c.shape[2])[slots] = s
+
+    def _refuse_non_finite(self, layer, batch, k, v) -> None:
+        bad = ~(torch.isfinite(k).all(dim=(1, 2)) & torch.isfinite(v).all(dim=(1, 2)))
+        if bool(bad.any()):
+            row = int(bad.nonzero()[0, 0])
+            seq = next(i for i, (s, n) in enumerate(zip(batch.starts, batch.query_lens)) if s <= row < s + n)
+            pos = batch.context_lens[seq] - batch.query_lens[seq] + row - batch.starts[seq]
+            raise KVQuantError(
+                f"layer {layer}: the K/V of sequence {batch.seq_ids[seq]}'s token at position {pos} (cache slot "
+                f"{int(batch.meta.slots[row])}) holds NaN or inf; int8 with a scale cannot store it, and a NaN scale "
+                "would poison every later step of this sequence. Nothing was written for this layer."
+            )
+
+    def copy_block(self, src: int, dst: int) -> None:
+        super().copy_block(src, dst)
+        for ks, vs in zip(self.k_scale, self.v_scale):
+            ks[dst].copy_(ks[src])
+            vs[dst].copy_(vs[src])
+
+    def _scale_space(self, space) -> torch.Tensor:
+        """The swap space's host tensor for scales, beside its ``kv`` (allocated on first use)."""
+        if getattr(space, "scales", None) is None:
+            shape = (2, len(self.k_scale), space.num_blocks) + tuple(self.k_scale[0].shape[1:]) + (1,)
+            space.scales = torch.zeros(shape, dtype=torch.float32, pin_memory=wants_pinned(self.k_cache[0].device))
+        return space.scales
+
+    def swap_out(self, copies, space) -> None:
+        super().swap_out(copies, space)
+        if copies:
+            swap_out_blocks(*self._scale_views(), copies, self._scale_space(space))
+
+    def swap_in(self, copies, space) -> None:
+        super().swap_in(copies, space)
+        if copies:
+            swap_in_blocks(*self._scale_views(), copies, self._scale_space(space))
+
+    def _gather_dequantized(self, layer, table, ctx):
+        k = self._gather(self.k_cache[layer], table, ctx)
+        v = self._gather(self.v_cache[layer], table, ctx)
+        ks = self._gather(self.k_scale[layer].unsqueeze(-1), table, ctx)[..., 0]
+        vs = self._gather(self.v_scale[layer].unsqueeze(-1), table, ctx)[..., 0]
+        return dequantize_kv(k, ks, self.compute_dtype), dequantize_kv(v, vs, self.compute_dtype)
+
+    def attend(self, layer, batch, q, scale):
+        out = torch.empty_like(q)
+        decode = batch.meta.decode
+        skip = set(decode.indices) if decode else set()
+        tables = batch.meta.table_ids or batch.meta.block_tables
+        for i, (table, start, n, ctx) in enumerate(zip(tables, batch.starts, batch.query_lens, batch.context_lens)):
+            if i in skip:
+                continue
+            k, v = self._gather_dequantized(layer, table, ctx)
+            out[start : start + n] = fused_attention_over_context(q[start : start + n], k, v, scale)
+        if decode:
+            out[decode.rows] = int8_paged_attention_decode(
+                q[decode.rows], self.k_cache[layer], self.v_cache[layer], self.k_scale[layer], self.v_scale[layer],
+                batch.meta.decode_tables, decode.context_lens.to(torch.int32), scale, load_fn=self.load_fn,
+                validate=False,
+            )  # fmt: skip
+        return out

@@ -1,0 +1,80 @@
+"""Lesson 10: int8 K/V - symmetric quantization per token and head, and the plain-torch references.
+
+A K (or V) vector of one token and one head, ``x`` of ``head_dim`` values, is stored as ``head_dim`` int8
+values and one fp32 scale:
+
+    scale = max|x| / 127,   q = clamp(round(x / scale), -127, 127),   x ~ q * scale
+
+* symmetric: no zero point, and -128 is never used, so ``-q`` is always representable;
+* ``round`` is round-half-to-even (``torch.round``): truncation would bias every value towards 0;
+* an all-zero vector gets scale 0 and q = 0 (nothing is divided by zero; it dequantizes to exact zeros);
+* one scale per token and head, not per tensor: one outlier token would otherwise flatten every other token's
+  values into a few levels (lesson 10 measures how much);
+* NaN or inf in a vector cannot be stored: :func:`quantize_kv` refuses it naming the token and head (the engine's
+  cache names the layer and slot), rather than writing a NaN scale that would poison every later step.
+
+The error of one value is at most half a step, ``scale / 2`` - relative to the vector's largest value,
+``1 / 254`` (0.4 %).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from lesson_utils.kernels.int8_kv import check_finite
+from lesson_utils.types import KVQuantError
+
+QMAX = 127
+__all__ = ["KVQuantError", "QMAX", "check_finite", "dequantize_kv", "quantize_kv", "quantize_per_tensor"]
+
+
+def quantize_kv(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` ``[..., head_dim]`` (float) -> ``(q, scale)``: ``q`` int8 of ``x``'s shape, ``scale`` float32
+    ``x.shape[:-1]``, one per vector (per token and head). Reference for exercise 10-1. ``x`` is not changed."""
+    if not torch.is_floating_point(x):
+        raise TypeError(f"quantize_kv takes a float tensor, got {x.dtype}")
+    if x.dim() < 2:
+        raise ValueError(f"quantize_kv takes [..., head_dim] with at least a head axis, got shape {tuple(x.shape)}")
+    check_finite(x)
+    xf = x.float()
+    scale = xf.abs().amax(dim=-1) / QMAX
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))  # an all-zero vector: q = 0, scale 0
+    q = torch.round(xf / safe[..., None]).clamp_(-QMAX, QMAX).to(torch.int8)
+    return q, scale
+
+
+def dequantize_kv(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``q * scale`` in ``dtype`` (``scale`` has ``q``'s shape without its last axis)."""
+    return (q.float() * scale.float()[..., None]).to(dtype)
+
+
+def quantize_per_tensor(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The contrast: one scale for the whole tensor (what lesson 10 measures against per-token scales)."""
+    check_finite(x)
+    scale = x.float().abs().amax() / QMAX
+    safe = scale if scale > 0 else torch.ones_like(scale)
+    q = torch.round(x.float() / safe).clamp_(-QMAX, QMAX).to(torch.int8)
+    return q, scale.expand(x.shape[:-1])
+
+
+def int8_paged_attention_reference(q, k_cache, v_cache, k_scale, v_scale, block_tables, context_lens, scale=None):
+    """Decode attention over an int8 paged cache, in plain torch: dequantize every block, then lesson 04's
+    reference. ``k_cache``/``v_cache`` int8 ``[num_blocks, block_size, kv_heads, d]``, ``k_scale``/``v_scale``
+    float32 ``[num_blocks, block_size, kv_heads]``. What the int8 decode kernel must reproduce."""
+    from lesson_utils.cache.attention import paged_attention_reference
+
+    k = dequantize_kv(k_cache, k_scale, torch.float32)
+    v = dequantize_kv(v_cache, v_scale, torch.float32)
+    return paged_attention_reference(q.float(), k, v, block_tables, context_lens, scale).to(q.dtype)
+
+
+def int8_unified_attention_reference(
+    q, k_cache, v_cache, k_scale, v_scale, block_tables, query_start, context_lens, scale=None
+):
+    """Lesson 08's unified attention over an int8 paged cache, dequantize-then-attend (reference)."""
+    from lesson_utils.cache.attention import unified_attention_reference
+
+    k = dequantize_kv(k_cache, k_scale, torch.float32)
+    v = dequantize_kv(v_cache, v_scale, torch.float32)
+    out = unified_attention_reference(q.float(), k, v, block_tables, query_start, context_lens, scale)
+    return out.to(q.dtype)
