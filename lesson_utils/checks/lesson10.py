@@ -1,0 +1,310 @@
+"""Checkers for lesson 10 (an int8 KV cache): quantize on write, the bytes of each layout, the kernels' int8 tile
+loader. Each compares the learner's code with the course's reference on randomized and edge cases and, on a
+mismatch, recomputes the usual wrong ways to name the likely mistake as a question."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+
+from lesson_utils import kv_math
+from lesson_utils.cache import quantize as Q
+
+from .core import CheckResult, case_device, check_function, expect_error, failed, not_implemented, passed, short
+
+# ---- exercise 1: quantize_kv -------------------------------------------------------------------------------
+
+
+def _quantize_cases(device) -> list[tuple]:
+    g = torch.Generator().manual_seed(10)
+    cases = [
+        (torch.tensor([[[0.5, 1.5, 2.5, -0.5, -1.5, 127.0]]], device=device),),  # exact halves, scale 1
+        (torch.zeros(2, 3, 8, device=device),),  # all zero: scale 0, no division by zero
+        (torch.tensor([[[-4.0, 1.0, 2.0, 3.0]]], device=device),),  # the largest value is negative
+    ]
+    for shape, dtype, mult in (
+        ((5, 2, 16), torch.float32, 1.0),
+        ((7, 3, 24), torch.float32, 1e4),  # a head dim that is no power of two, large values
+        ((4, 12, 64), torch.float16, 3.0),  # OPT-125m's heads, fp16 values
+        ((3, 2, 5, 8), torch.float32, 1.0),  # [..., head_dim]: any leading axes
+        ((1, 1, 80), torch.float32, 1e-3),  # one token, tiny values
+    ):
+        x = (torch.randn(shape, generator=g) * mult).to(dtype).to(device)
+        if len(shape) == 3 and shape[0] > 2:
+            x[1, 0] = 0  # one all-zero head among others
+            x[2] *= 50  # one outlier token: a per-tensor scale would flatten the others
+        cases.append((x,))
+    return cases
+
+
+def _near_tie(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Where ``x / scale`` sits within 1e-3 of a half step: there either neighbour is a fair rounding."""
+    y = x.float() / torch.where(scale > 0, scale, torch.ones_like(scale))[..., None]
+    return ((y - torch.floor(y)) - 0.5).abs() < 1e-3
+
+
+def _quantized_equal(expected, got) -> bool:
+    if not (isinstance(got, tuple) and len(got) == 2 and all(isinstance(t, torch.Tensor) for t in got)):
+        return False
+    (q, s), (gq, gs) = expected, got
+    if gq.dtype != torch.int8 or gs.dtype != torch.float32 or gq.shape != q.shape or gs.shape != s.shape:
+        return False
+    if gq.device != q.device or gs.device != s.device:
+        return False
+    if not torch.allclose(gs, s, rtol=1e-5, atol=0):
+        return False
+    off = (gq.int() - q.int()).abs()
+    return bool((off == 0).all()) or bool(((off <= 1) & _near_tie(_quantize_input[0], s) | (off == 0)).all())
+
+
+# the case being compared: check_function calls the reference on a copy of each case just before the learner's
+# code, and equal() sees only the two outputs - the tie tolerance needs the input too
+_quantize_input: list = [None]
+
+
+def _quantize_reference(x):
+    _quantize_input[0] = x
+    return Q.quantize_kv(x)
+
+
+def _explain_quantize(case, expected, got) -> str:
+    (x,), (_, s) = case, expected
+    if not (isinstance(got, tuple) and len(got) == 2):
+        return "return a tuple (q, scale): q int8 like x, scale float32 with one entry per vector (x.shape[:-1])"
+    gq, gs = got
+    if not isinstance(gq, torch.Tensor) or gq.dtype != torch.int8:
+        return "q holds int8 values: what dtype does your q have?"
+    if not isinstance(gs, torch.Tensor) or gs.dtype != torch.float32:
+        return "the scale is float32 whatever the input's dtype: did you keep x's dtype for it?"
+    if gs.shape != s.shape:
+        if tuple(gs.shape) == tuple(s.shape) + (1,):
+            return f"one scale per vector, shape {tuple(s.shape)}: drop the kept last axis (keepdim) before returning"
+        if gs.dim() == 0 or gs.numel() == 1:
+            return "one scale per token and head, not one for the whole tensor: which axis does your max run over?"
+        return f"one scale per vector: shape {tuple(s.shape)} (did you keep the last axis with keepdim?)"
+    if torch.isnan(gs).any() or torch.isnan(gq.float()).any():
+        return "an all-zero vector has scale 0: what do you divide by then?"
+    if torch.allclose(gs, torch.full_like(gs, float(s.max())), rtol=1e-5) and not torch.allclose(s, gs):
+        return "all your scales are the same: one scale for the whole tensor lets one large token flatten the rest"
+    if int(gq.min()) == -128 or any(torch.allclose(gs, s * 127 / k, rtol=1e-5) for k in (127.5, 128, 255)):
+        return (
+            "a symmetric int8 scale is max|x| / 127 and never uses -128 (so -q always fits): which divisor and "
+            "which clamp did you use?"
+        )
+    zero = s == 0
+    if bool(zero.any()) and torch.equal(gs[~zero], s[~zero]) and not torch.equal(gs[zero], s[zero]):
+        return "an all-zero vector has scale 0 (nothing to scale), and its q is all 0: what does yours return?"
+    xf = x.float()
+    safe = torch.where(s > 0, s, torch.ones_like(s))[..., None]
+    if torch.equal(gq, torch.trunc(xf / safe).clamp(-127, 127).to(torch.int8)):
+        return "your values are truncated towards zero (.to(torch.int8) or int()): which operation rounds to nearest?"
+    if torch.equal(gq, torch.floor(xf / safe).clamp(-127, 127).to(torch.int8)):
+        return "floor rounds negative values away from their nearest integer: which operation rounds to nearest?"
+    return ""
+
+
+def check_quantize_kv(fn, quiet: bool = False) -> CheckResult:
+    """Exercise 10-1: ``quantize_kv(x) -> (q int8, scale float32)``, per token and head, symmetric, rounded, +-127;
+    zero vectors give scale 0; NaN/inf refused with a ValueError; the input left unchanged."""
+    name = "quantize_kv"
+    device = case_device()
+    result = check_function(
+        name, fn, _quantize_reference, _quantize_cases(device), equal=_quantized_equal, explain=_explain_quantize,
+        quiet=True, arg_names=("x",),
+    )  # fmt: skip
+    if not result.passed:
+        return _reissue(result, quiet, Q.quantize_kv)
+    bad = torch.ones(3, 2, 4, device=device)
+    bad[2, 1, 3] = float("nan")
+    refused = expect_error(
+        name, fn, (bad,), ValueError, "a vector holding NaN cannot be stored in int8 (it would poison the scale)",
+        Q.quantize_kv, quiet,
+    )  # fmt: skip
+    if refused is not None:
+        return refused
+    inf = torch.ones(2, 1, 4, device=device)
+    inf[0, 0, 0] = float("inf")
+    refused = expect_error(
+        name, fn, (inf,), ValueError, "a vector holding inf cannot be stored in int8", Q.quantize_kv, quiet
+    )
+    if refused is not None:
+        return refused
+    return passed(name, result.message.split(": ", 1)[-1].split("\n")[0] + " NaN and inf are refused.", fn, quiet)
+
+
+def _reissue(result: CheckResult, quiet: bool, reference=None) -> CheckResult:
+    """Show a quiet result's message and apply strict mode, as a checker's own result would."""
+    reference = result.use if reference is None else reference
+    if not result.implemented:
+        return not_implemented(result.name, reference, quiet)
+    detail = result.message.split(": ", 1)[-1].rsplit("\n(The rest", 1)[0]
+    return failed(result.name, detail, reference, quiet)
+
+
+# ---- exercise 2: bytes per token by layout -----------------------------------------------------------------
+
+
+def _config(layers, heads, hidden, kv_heads=None, head_dim=None):
+    return SimpleNamespace(
+        num_hidden_layers=layers, num_attention_heads=heads, hidden_size=hidden, num_key_value_heads=kv_heads,
+        head_dim=head_dim,
+    )  # fmt: skip
+
+
+def _layout_cases() -> list[tuple]:
+    configs = [
+        _config(12, 12, 768),  # OPT-125m
+        _config(32, 32, 4096, kv_heads=8),  # grouped-query (Llama-3-8B's shape)
+        _config(2, 4, 320),  # head dim 80: inline 84 -> 96
+        _config(24, 16, 2048, head_dim=128),  # an explicit head_dim: inline 132 -> 144
+        _config(3, 5, 60),  # head dim 12: inline 16, already aligned
+    ]
+    return [(c, layout) for c in configs for layout in kv_math.KV_LAYOUTS]
+
+
+def _explain_layout(case, expected, got) -> str:
+    config, layout = case
+    if not isinstance(got, int) or isinstance(got, bool):
+        return f"return a whole number of bytes (an int), got {type(got).__name__}"
+    layers, kvh, d = config.num_hidden_layers, kv_math.kv_heads_of(config), kv_math.head_dim_of(config)
+    if got * 2 == expected:
+        return "a token stores a key AND a value in every layer: did you count both?"
+    if layout != "fp16" and got == 2 * layers * kvh * d:
+        return "where are the scales? Each head's vector carries one float32 scale (4 bytes)"
+    if layout != "fp16" and got == 2 * layers * (kvh * d + 4):
+        return "one scale per token AND head: how many vectors does a token have in a layer?"
+    if layout == "int8, inline scales" and got == 2 * layers * kvh * (d + 4):
+        return "inline, each head's bytes start on a 16-byte boundary: round d + 4 up to a multiple of 16"
+    if layout == "int8, separate scales" and got != expected and got % 16 == 0:
+        return "a separate scale tensor needs no padding: only the inline layout rounds each head up"
+    if (
+        got == 2 * layers * d * (2 if layout == "fp16" else 1) * config.num_attention_heads
+        and kvh != config.num_attention_heads
+    ):
+        return "grouped-query models store K/V for their KV heads only (kv_math.kv_heads_of)"
+    return ""
+
+
+def check_kv_bytes_per_token(fn, quiet: bool = False) -> CheckResult:
+    """Exercise 10-2: bytes per token of K and V across all layers in each layout; an unknown layout is refused."""
+    name = "kv_bytes_per_token"
+    result = check_function(
+        name, fn, kv_math.int8_kv_bytes_per_token, _layout_cases(), explain=_explain_layout, quiet=True,
+        show_input=lambda c: f"config(layers={c[0].num_hidden_layers}, heads={c[0].num_attention_heads}, "
+        f"hidden={c[0].hidden_size}, kv_heads={c[0].num_key_value_heads}, head_dim={c[0].head_dim}), {c[1]!r}",
+        arg_names=("config", "layout"),
+    )  # fmt: skip
+    if not result.passed:
+        return _reissue(result, quiet)
+    refused = expect_error(
+        name, fn, (_config(12, 12, 768), "int4"), ValueError, "a layout the function does not know ('int4')",
+        kv_math.int8_kv_bytes_per_token, quiet,
+    )  # fmt: skip
+    if refused is not None:
+        return refused
+    return passed(
+        name, f"all {len(_layout_cases())} cases match (five geometries x three layouts); 'int4' refused.", fn, quiet
+    )
+
+
+# ---- exercise 3: the kernels' int8 tile loader --------------------------------------------------------------
+
+
+def _loader_cases(device) -> list[dict]:
+    cases = []
+    for seed, (bs, kvh, group, d, lens) in enumerate(
+        [(4, 1, 1, 16, [7, 1]), (8, 2, 2, 24, [17, 8, 3]), (16, 1, 4, 64, [33]), (4, 2, 1, 80, [5, 12])]
+    ):
+        g = torch.Generator().manual_seed(100 + seed)
+        width = max(-(-c // bs) for c in lens)
+        nb = len(lens) * width + 1
+        ks = torch.rand(nb, bs, kvh, generator=g) * 0.05
+        ks[0, 0] = 0  # a zero scale (an all-zero vector)
+        cases.append(
+            dict(
+                q=torch.randn(len(lens), kvh * group, d, generator=g).to(device),
+                k=torch.randint(-127, 128, (nb, bs, kvh, d), generator=g, dtype=torch.int8).to(device),
+                v=torch.randint(-127, 128, (nb, bs, kvh, d), generator=g, dtype=torch.int8).to(device),
+                ks=ks.to(device),
+                vs=(torch.rand(nb, bs, kvh, generator=g) * 0.05).to(device),
+                tables=torch.randperm(nb, generator=g)[: len(lens) * width]
+                .view(len(lens), width)
+                .to(torch.int32)
+                .to(device),
+                lens=torch.tensor(lens, dtype=torch.int32).to(device),
+                shown=f"block_size={bs}, kv_heads={kvh}, query heads per kv head={group}, head_dim={d}, contexts={lens}",
+            )
+        )
+    return cases
+
+
+def _loader_mistake(fn_out, c) -> str:
+    no_scale = Q.int8_paged_attention_reference(
+        c["q"], c["k"], c["v"], torch.ones_like(c["ks"]), torch.ones_like(c["vs"]), c["tables"], c["lens"]
+    )
+    if torch.allclose(fn_out.float(), no_scale.float(), rtol=1e-3, atol=1e-3):
+        return "the values come out as if every scale were 1: where do the scales (scale_ptrs) enter your tile?"
+    return "compare one token's row: value x scale of THAT token (scale_ptrs[i] belongs to row i of the tile)"
+
+
+def check_load_int8_tile(fn, quiet: bool = False) -> CheckResult:
+    """Exercise 10-3: a ``@triton.jit`` ``load_int8_tile(ptrs, scale_ptrs, mask, token_mask)`` -> the fp32 tile,
+    run inside lesson 04's decode kernel and lesson 08's unified kernel against the dequantize-then-attend
+    references."""
+    from lesson_utils.kernels.int8_kv import int8_paged_attention_decode, int8_unified_attention
+
+    name = "load_int8_tile"
+    if not hasattr(fn, "fn") and not callable(fn):
+        return failed(name, f"expected a @triton.jit function, got {type(fn).__name__}", None, quiet)
+    if not hasattr(fn, "fn"):
+        return failed(name, "decorate your function with @triton.jit: the kernels call it on the GPU", None, quiet)
+    from lesson_utils.kernels.int8_kv import load_int8_tile
+
+    for c in _loader_cases(case_device()):
+        want = Q.int8_paged_attention_reference(c["q"], c["k"], c["v"], c["ks"], c["vs"], c["tables"], c["lens"])
+        try:
+            got = int8_paged_attention_decode(
+                c["q"], c["k"], c["v"], c["ks"], c["vs"], c["tables"], c["lens"], load_fn=fn
+            )
+        except NotImplementedError:
+            return not_implemented(name, load_int8_tile, quiet)
+        except Exception as err:  # noqa: BLE001 - a learner's kernel error is feedback
+            text = str(err).splitlines()[-1][:300] if str(err) else type(err).__name__
+            if "NotImplementedError" in text:
+                return not_implemented(name, load_int8_tile, quiet)
+            return failed(
+                name,
+                f"on ({c['shown']}) the decode kernel with your loader raised {type(err).__name__}: {text}",
+                load_int8_tile,
+                quiet,
+            )
+        err = float((got.float() - want.float()).abs().max() / want.float().abs().max().clamp_min(1e-6))
+        if not torch.isfinite(got).all() or err > 1e-3:
+            return failed(
+                name,
+                f"in lesson 04's decode kernel, on ({c['shown']}): relative error {err:.3g} against dequantize-then-attend "
+                f"(at most 1e-3 expected)\n    first row expected: {short(want[0, 0, :6])}\n    got:               "
+                f"{short(got[0, 0, :6])}\n    hint: {_loader_mistake(got, c)}",
+                load_int8_tile,
+                quiet,
+            )
+    c = _loader_cases(case_device())[1]  # chunks and decodes through the unified kernel
+    starts = torch.tensor([0, 1, 3, 4], dtype=torch.int32, device=c["q"].device)
+    q = torch.cat([c["q"][:1], c["q"][1:2].expand(2, -1, -1), c["q"][2:]]).contiguous()
+    want = Q.int8_unified_attention_reference(q, c["k"], c["v"], c["ks"], c["vs"], c["tables"], starts, c["lens"])
+    got = int8_unified_attention(q, c["k"], c["v"], c["ks"], c["vs"], c["tables"], starts, c["lens"], 2, load_fn=fn)
+    err = float((got.float() - want.float()).abs().max() / want.float().abs().max().clamp_min(1e-6))
+    if err > 1e-3:
+        return failed(
+            name,
+            f"in lesson 08's unified kernel: relative error {err:.3g} (at most 1e-3 expected)",
+            load_int8_tile,
+            quiet,
+        )
+    return passed(
+        name,
+        "lesson 04's decode kernel (4 geometries) and lesson 08's unified kernel match dequantize-then-attend.",
+        fn,
+        quiet,
+    )

@@ -1,0 +1,232 @@
+"""Lesson 10's checkers against the reference and against plausible wrong answers: each wrong answer must fail,
+with a message that names the property (and, where recognised, the mistake), and never crash."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+from helpers import rejected
+
+from lesson_utils import kv_math
+from lesson_utils.cache import quantize as Q
+from lesson_utils.checks import lesson10 as C
+from lesson_utils.kernels.int8_kv import load_int8_tile
+
+# ---- exercise 1 ----------------------------------------------------------------------------------------------
+
+
+def _scale(x):
+    return x.float().abs().amax(-1) / 127
+
+
+def _safe(s):
+    return torch.where(s > 0, s, torch.ones_like(s))[..., None]
+
+
+def per_tensor(x):
+    q, s = Q.quantize_per_tensor(x)
+    return q, s.contiguous().float()
+
+
+def truncated(x):
+    s = _scale(x)
+    return (x.float() / _safe(s)).clamp(-127, 127).to(torch.int8), s
+
+
+def allows_minus_128(x):
+    s = x.float().abs().amax(-1) / 127.5
+    return torch.round(x.float() / _safe(s)).clamp(-128, 127).to(torch.int8), s
+
+
+def zero_gets_scale_one(x):
+    Q.check_finite(x)
+    s = _scale(x)
+    return torch.round(x.float() / _safe(s)).clamp(-127, 127).to(torch.int8), torch.where(s > 0, s, torch.ones_like(s))
+
+
+def keeps_the_input_dtype(x):
+    q, s = Q.quantize_kv(x)
+    return q, s.to(x.dtype)
+
+
+def keepdim_scale(x):
+    q, s = Q.quantize_kv(x)
+    return q, s[..., None]
+
+
+def accepts_nan(x):
+    x = torch.nan_to_num(x, nan=0.0, posinf=0.0)
+    return Q.quantize_kv(x)
+
+
+def in_place(x):
+    q, s = Q.quantize_kv(x)
+    x.zero_()
+    return q, s
+
+
+def int32_values(x):
+    q, s = Q.quantize_kv(x)
+    return q.int(), s
+
+
+def no_clamp(x):
+    s = x.float().abs().amax(-1) / 126  # a wrong divisor: the largest values overflow int8 without a clamp
+    return torch.round(x.float() / _safe(s)).to(torch.int8), s
+
+
+def test_the_reference_passes_and_a_stub_is_unsolved():
+    assert C.check_quantize_kv(Q.quantize_kv, quiet=True).passed
+
+    def stub(x):
+        raise NotImplementedError("exercise 10-1")
+
+    r = C.check_quantize_kv(stub, quiet=True)
+    assert not r.passed and not r.implemented and r.use is Q.quantize_kv
+
+
+@pytest.mark.parametrize(
+    "wrong, needles",
+    [
+        (per_tensor, ["the same"]),
+        (truncated, ["truncated"]),
+        (allows_minus_128, ["-128"]),
+        (zero_gets_scale_one, ["scale 0"]),
+        (keeps_the_input_dtype, ["float32"]),
+        (keepdim_scale, ["one scale per vector"]),
+        (accepts_nan, ["NaN"]),
+        (in_place, ["changed its input"]),
+        (int32_values, ["int8"]),
+        (no_clamp, ["expected"]),
+    ],
+)
+def test_wrong_quantizers_fail_naming_the_mistake(wrong, needles):
+    assert rejected(C.check_quantize_kv(wrong, quiet=True), *needles)
+
+
+def test_a_rounding_that_breaks_ties_upwards_is_accepted():
+    """floor(y + 0.5) differs from round-half-to-even only at exact halves: both are fair roundings."""
+
+    def half_up(x):
+        Q.check_finite(x)
+        s = _scale(x)
+        return torch.floor(x.float() / _safe(s) + 0.5).clamp(-127, 127).to(torch.int8), s
+
+    assert C.check_quantize_kv(half_up, quiet=True).passed
+
+
+# ---- exercise 2 ----------------------------------------------------------------------------------------------
+
+
+def _layers_heads_dim(c):
+    return c.num_hidden_layers, kv_math.kv_heads_of(c), kv_math.head_dim_of(c)
+
+
+def only_k(c, layout):
+    return kv_math.int8_kv_bytes_per_token(c, layout) // 2
+
+
+def no_scales(c, layout):
+    n, h, d = _layers_heads_dim(c)
+    return 2 * n * h * d * (2 if layout == "fp16" else 1)
+
+
+def scale_per_token(c, layout):
+    n, h, d = _layers_heads_dim(c)
+    return 2 * n * h * 2 * d if layout == "fp16" else 2 * n * (h * d + 4)
+
+
+def no_alignment(c, layout):
+    n, h, d = _layers_heads_dim(c)
+    return kv_math.int8_kv_bytes_per_token(c, layout) if layout == "fp16" else 2 * n * h * (d + 4)
+
+
+def query_heads(c, layout):
+    d = kv_math.head_dim_of(c)
+    per = {"fp16": 2 * d, "int8, separate scales": d + 4, "int8, inline scales": -(-(d + 4) // 16) * 16}[layout]
+    return 2 * c.num_hidden_layers * c.num_attention_heads * per
+
+
+def float_bytes(c, layout):
+    return float(kv_math.int8_kv_bytes_per_token(c, layout))
+
+
+def no_refusal(c, layout):
+    try:
+        return kv_math.int8_kv_bytes_per_token(c, layout)
+    except ValueError:
+        return 0
+
+
+@pytest.mark.parametrize(
+    "wrong, needles",
+    [
+        (only_k, ["key AND a value"]),
+        (no_scales, ["scales"]),
+        (scale_per_token, ["token AND head"]),
+        (no_alignment, ["16-byte boundary"]),
+        (query_heads, ["KV heads"]),
+        (float_bytes, ["an int"]),
+        (no_refusal, ["int4", "ValueError"]),
+    ],
+)
+def test_wrong_byte_counts_fail_naming_the_mistake(wrong, needles):
+    assert rejected(C.check_kv_bytes_per_token(wrong, quiet=True), *needles)
+
+
+def test_the_byte_count_reference_passes():
+    assert C.check_kv_bytes_per_token(kv_math.int8_kv_bytes_per_token, quiet=True).passed
+
+
+# ---- exercise 3 ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def forgets_the_scale(ptrs, scale_ptrs, mask, token_mask):
+    return tl.load(ptrs, mask=mask, other=0).to(tl.float32)
+
+
+@triton.jit
+def neighbours_scale(ptrs, scale_ptrs, mask, token_mask):
+    x = tl.load(ptrs, mask=mask, other=0).to(tl.float32)
+    s = tl.load(scale_ptrs + 1, mask=token_mask, other=0.0)  # the next slot's scale: the wrong slot
+    return x * s[:, None]
+
+
+@triton.jit
+def multiplies_in_int8(ptrs, scale_ptrs, mask, token_mask):
+    x = tl.load(ptrs, mask=mask, other=0)
+    s = tl.load(scale_ptrs, mask=token_mask, other=0.0)
+    return (x * s.to(tl.int8)[:, None]).to(tl.float32)  # the scale truncated to an int8: 0
+
+
+@triton.jit
+def not_implemented_loader(ptrs, scale_ptrs, mask, token_mask):
+    raise NotImplementedError("exercise 10-3")
+
+
+def test_the_loader_reference_passes():
+    assert C.check_load_int8_tile(load_int8_tile, quiet=True).passed
+
+
+@pytest.mark.parametrize(
+    "wrong, needles",
+    [
+        (forgets_the_scale, ["relative error", "every scale were 1"]),
+        (neighbours_scale, ["relative error", "THAT token"]),
+        (multiplies_in_int8, ["relative error"]),
+    ],
+)
+def test_wrong_loaders_fail_without_crashing(wrong, needles):
+    assert rejected(C.check_load_int8_tile(wrong, quiet=True), *needles)
+
+
+def test_a_plain_python_function_is_refused_with_the_decorator_named():
+    assert rejected(C.check_load_int8_tile(lambda *a: None, quiet=True), "@triton.jit")
+
+
+def test_an_unsolved_loader_is_reported_as_unsolved():
+    r = C.check_load_int8_tile(not_implemented_loader, quiet=True)
+    assert not r.passed and not r.implemented and r.use is load_int8_tile
