@@ -25,9 +25,13 @@ def compute_minutes(seconds: float) -> str:
 def test_the_compute_column_is_the_recorded_run_it_names():
     readme = (ROOT / "README.md").read_text()
     runs = re.findall(r"docs/recorded_runs/([\w.-]+)/report\.md", readme)
-    assert runs, "the README names the recorded run its compute column comes from"
-    summary = json.loads((ROOT / "docs" / "recorded_runs" / runs[0] / "summary.json").read_text())
-    measured = {Path(n["path"]).name[:2]: n for n in summary["notebooks"] if n["kind"] == "solutions"}
+    assert runs, "the README names the recorded runs its compute column comes from"
+    measured = {}
+    for run in dict.fromkeys(runs):  # a lesson comes from the first run that holds it
+        summary = json.loads((ROOT / "docs" / "recorded_runs" / run / "summary.json").read_text())
+        for n in summary["notebooks"]:
+            if n["kind"] == "solutions":
+                measured.setdefault(Path(n["path"]).name[:2], n)
     rows = _rows()
     assert set(rows) == set(measured), f"lessons in the README {sorted(rows)}, in the recorded run {sorted(measured)}"
     for lesson, cells in rows.items():
