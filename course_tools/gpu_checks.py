@@ -98,22 +98,43 @@ def decode_kernel_bench(
     device, dtype, timer: Timer, copy_gbs: float, *, batch=32, contexts=(256, 1024, 4096), heads=12, head_dim=64,
     block_size=16,
 ) -> list[KernelRow]:  # fmt: skip
-    """Lesson 04's decode kernel (simple and tiled) against gather + SDPA and contiguous SDPA (no paging: the lower
-    bound), ``batch`` sequences per context length. Bytes: K and V of every context token, one layer."""
+    """Lesson 04's decode kernel (simple and tiled, and tiled over lesson 10's int8 cache) against gather + SDPA and
+    contiguous SDPA (no paging: the lower bound), ``batch`` sequences per context length. Bytes: K and V of every
+    context token, one layer (int8: 1 byte per value and a 4-byte scale per head)."""
     rows = []
     for context in contexts:
         q, kc, vc, tables, lens = _decode_inputs(batch, context, heads, head_dim, block_size, dtype, device)
         ways = _decode_ways(q, kc, vc, tables, lens, context)
         want = ways["gather + SDPA"]().float()
         nbytes = 2 * batch * context * heads * head_dim * kc.element_size()
+        case = f"decode, {batch} seqs x {context} tokens"
         for name, fn in ways.items():
             error = float((fn().float() - want).abs().max())
             ms = timer(fn)
             gbs = nbytes / (ms * 1e-3) / 1e9
-            rows.append(
-                KernelRow(name, f"decode, {batch} seqs x {context} tokens", context, ms, gbs, gbs / copy_gbs, error)
-            )
+            rows.append(KernelRow(name, case, context, ms, gbs, gbs / copy_gbs, error))
+        rows.append(_int8_decode_row(q, kc, vc, tables, lens, case, context, timer, copy_gbs))
     return rows
+
+
+def _int8_decode_row(q, kc, vc, tables, lens, case, context, timer, copy_gbs) -> KernelRow:
+    """Lesson 10: the same decode over the cache quantized to int8 (its bytes: 1 per value and 4 per scale), checked
+    against dequantize-then-attend."""
+    from lesson_utils.cache import quantize as Q
+    from lesson_utils.kernels.int8_kv import int8_paged_attention_decode
+
+    kq, ks = Q.quantize_kv(kc)
+    vq, vs = Q.quantize_kv(vc)
+    want = Q.int8_paged_attention_reference(q, kq, vq, ks, vs, tables, lens).float()
+
+    def fn():
+        return int8_paged_attention_decode(q, kq, vq, ks, vs, tables, lens, validate=False)
+
+    error = float((fn().float() - want).abs().max())
+    ms = timer(fn)
+    batch, heads, head_dim = q.shape[0], kc.shape[2], kc.shape[3]
+    gbs = 2 * batch * context * heads * (head_dim + 4) / (ms * 1e-3) / 1e9
+    return KernelRow("paged int8 (tiled)", case, context, ms, gbs, gbs / copy_gbs, error)
 
 
 def unified_kernel_bench(

@@ -40,8 +40,11 @@ def test_the_kernel_benchmarks_check_and_time_every_way_at_tiny_sizes():
     assert copy > 0
     kw = dict(heads=2, head_dim=16, block_size=4)
     rows = G.decode_kernel_bench("cpu", torch.float32, timer, copy, batch=2, contexts=(7, 16), **kw)
-    assert {r.kernel for r in rows} == {"paged (simple)", "paged (tiled)", "gather + SDPA", "contiguous SDPA"}
-    assert len(rows) == 8 and all(r.max_error < 1e-4 and r.ms > 0 for r in rows)
+    kinds = {"paged (simple)", "paged (tiled)", "gather + SDPA", "contiguous SDPA", "paged int8 (tiled)"}
+    assert {r.kernel for r in rows} == kinds
+    assert len(rows) == 10 and all(r.max_error < 1e-4 and r.ms > 0 for r in rows)
+    int8 = next(r for r in rows if r.kernel == "paged int8 (tiled)")  # 1 byte per value and a 4-byte scale per head
+    assert int8.gb_per_s == pytest.approx(2 * 2 * 7 * 2 * (16 + 4) / (int8.ms * 1e-3) / 1e9)
     r = rows[0]  # the bytes are K and V of every context token
     assert r.gb_per_s == pytest.approx(2 * 2 * 7 * 2 * 16 * 4 / (r.ms * 1e-3) / 1e9)
     assert r.share_of_copy == pytest.approx(r.gb_per_s / copy)
