@@ -305,3 +305,17 @@ def test_preemption_by_swap_on_the_device_keeps_outputs(on_device):
             engine = Engine(w, cache, preemption_mode=mode, swap_space=SwapSpace(40) if mode == "swap" else None)
             assert engine.generate(prompts, 20) == want, mode
             assert engine.scheduler.num_preemptions > 0, mode
+
+
+def test_the_int8_cache_serves_on_the_device_through_its_kernels(on_device):
+    """Lesson 10 on a GPU: the quantizing write kernel and the int8 decode kernel, every tensor on the device (the
+    mode fails a host tensor handed to a kernel), the same tokens as the gather + dequantize path."""
+    from lesson_utils.cache.int8_paged import Int8PagedKVCache
+
+    model, w = on_device
+    prompts = _prompts(w, (5, 11))
+    with discipline():
+        kernels = Engine(w, Int8PagedKVCache.for_model(w, 20, 8, use_kernels=True))
+        torch_path = Engine(w, Int8PagedKVCache.for_model(w, 20, 8, use_kernels=False))
+        assert kernels.generate(prompts, 4) == torch_path.generate(prompts, 4)
+        assert kernels.manager.num_free_blocks == 20
