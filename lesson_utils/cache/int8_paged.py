@@ -74,8 +74,8 @@ class Int8PagedKVCache(PagedKVCache):
         return 2 * len(self.k_cache) * (k[0].numel() * k.element_size() + s[0].numel() * s.element_size())
 
     def allocated_bytes(self) -> int:
-        """Bytes of every tensor this cache allocated: the capacity measured, not computed from a formula."""
-        return sum(t.numel() * t.element_size() for t in self.k_cache + self.v_cache + self.k_scale + self.v_scale)
+        """The values' bytes (lesson 03's count) and the scales' beside them."""
+        return super().allocated_bytes() + sum(t.numel() * t.element_size() for t in self.k_scale + self.v_scale)
 
     def prepare(self, batch):
         super().prepare(batch)

@@ -118,6 +118,10 @@ class PagedKVCache:
         k = self.k_cache[0]
         return 2 * len(self.k_cache) * k[0].numel() * k.element_size()
 
+    def allocated_bytes(self) -> int:
+        """Bytes of every tensor this cache allocated: its capacity measured, not computed from a formula."""
+        return sum(t.numel() * t.element_size() for t in self.k_cache + self.v_cache)
+
     def prepare(self, batch: StepBatch) -> None:
         """The step's slot mapping and block tables. Allocates nothing: the scheduler reserved every slot this
         step writes (and made shared blocks writable) before the forward pass; a sequence without them is refused."""
