@@ -22,29 +22,36 @@ from typing import Callable, Iterator
 
 import torch
 
-Timer = Callable[[Callable[[], object]], float]  # fn -> milliseconds per call
+Timer = Callable[[Callable[[], object]], tuple[float, float, float]]  # fn -> (median, low, high) ms per call
 
 
 def perf_counter_timer(repeats: int = 3) -> Timer:
-    """A host-clock timer for a CPU (tests): median of ``repeats`` calls after one warm-up, in ms."""
+    """A host-clock timer for a CPU (tests): (median, min, max) of ``repeats`` calls after one warm-up, in ms."""
 
-    def timer(fn) -> float:
+    def timer(fn) -> tuple[float, float, float]:
         fn()
         samples = []
         for _ in range(repeats):
             t0 = time.perf_counter()
             fn()
             samples.append((time.perf_counter() - t0) * 1e3)
-        return statistics.median(samples)
+        return statistics.median(samples), min(samples), max(samples)
 
     return timer
+
+
+def do_bench_timer() -> Timer:
+    """Triton's benchmark on a GPU (warm-up, many repeats, the cache flushed): (median, p10, p90) in ms."""
+    from triton.testing import do_bench
+
+    return lambda fn: tuple(do_bench(fn, quantiles=[0.5, 0.1, 0.9]))
 
 
 def copy_bandwidth(device, timer: Timer, mib: int = 256) -> float:
     """GB/s of a device-to-device copy of ``mib`` MiB (read + write counted, as the kernels' reads are)."""
     src = torch.empty(mib * 2**20, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
-    ms = timer(lambda: dst.copy_(src))
+    ms = timer(lambda: dst.copy_(src))[0]
     return 2 * src.numel() / (ms * 1e-3) / 1e9
 
 
@@ -55,7 +62,9 @@ class KernelRow:
     kernel: str
     case: str  # e.g. "decode, 32 seqs x 1024 tokens"
     context: int
-    ms: float
+    ms: float  # median
+    ms_low: float  # the timer's spread: min / p10
+    ms_high: float  # max / p90
     gb_per_s: float
     share_of_copy: float  # gb_per_s over the measured copy bandwidth
     max_error: float  # against gather + SDPA (or lesson 04's kernel), checked once before timing
@@ -110,9 +119,9 @@ def decode_kernel_bench(
         case = f"decode, {batch} seqs x {context} tokens"
         for name, fn in ways.items():
             error = float((fn().float() - want).abs().max())
-            ms = timer(fn)
+            ms, low, high = timer(fn)
             gbs = nbytes / (ms * 1e-3) / 1e9
-            rows.append(KernelRow(name, case, context, ms, gbs, gbs / copy_gbs, error))
+            rows.append(KernelRow(name, case, context, ms, low, high, gbs, gbs / copy_gbs, error))
         rows.append(_int8_decode_row(q, kc, vc, tables, lens, case, context, timer, copy_gbs))
     return rows
 
@@ -131,10 +140,10 @@ def _int8_decode_row(q, kc, vc, tables, lens, case, context, timer, copy_gbs) ->
         return int8_paged_attention_decode(q, kq, vq, ks, vs, tables, lens, validate=False)
 
     error = float((fn().float() - want).abs().max())
-    ms = timer(fn)
+    ms, low, high = timer(fn)
     batch, heads, head_dim = q.shape[0], kc.shape[2], kc.shape[3]
     gbs = 2 * batch * context * heads * (head_dim + 4) / (ms * 1e-3) / 1e9
-    return KernelRow("paged int8 (tiled)", case, context, ms, gbs, gbs / copy_gbs, error)
+    return KernelRow("paged int8 (tiled)", case, context, ms, low, high, gbs, gbs / copy_gbs, error)
 
 
 def unified_kernel_bench(
@@ -145,15 +154,22 @@ def unified_kernel_bench(
     per ``(seqs, query_len, context)``: :func:`lesson_utils.benchmark.time_unified_kernel`, with bytes."""
     from lesson_utils.benchmark import time_unified_kernel
 
+    spreads = []  # time_unified_kernel takes a median-only timer: keep each call's (median, low, high) in call order
+
+    def median_only(fn) -> float:
+        spreads.append(timer(fn))
+        return spreads[-1][0]
+
     rows = []
-    for t in time_unified_kernel(
-        cases, heads=heads, head_dim=head_dim, block_size=block_size, dtype=dtype, device=device, timer=timer
-    ):
+    timings = time_unified_kernel(
+        cases, heads=heads, head_dim=head_dim, block_size=block_size, dtype=dtype, device=device, timer=median_only
+    )
+    for i, t in enumerate(timings):
         nbytes = 2 * t.seqs * t.context * heads * head_dim * torch.empty((), dtype=dtype).element_size()
         case = f"{'decode' if t.query_len == 1 else f'chunk of {t.query_len}'}, {t.seqs} seqs x {t.context} tokens"
-        for name, ms in (("unified", t.unified_ms), (t.baseline, t.baseline_ms)):
+        for name, (ms, low, high) in (("unified", spreads[2 * i]), (t.baseline, spreads[2 * i + 1])):
             gbs = nbytes / (ms * 1e-3) / 1e9
-            rows.append(KernelRow(name, case, t.context, ms, gbs, gbs / copy_gbs, t.max_error))
+            rows.append(KernelRow(name, case, t.context, ms, low, high, gbs, gbs / copy_gbs, t.max_error))
     return rows
 
 

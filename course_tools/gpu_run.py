@@ -90,12 +90,13 @@ def render(results: dict) -> str:
     if "copy_gbs" in results:
         lines += [f"## Kernels (one layer, fp16; copy bandwidth measured: {results['copy_gbs']:.0f} GB/s)", ""]
         lines += [
-            "| kernel | case | µs | GB/s of K/V | share of copy bandwidth | max error |",
+            "| kernel | case | µs, median (p10-p90) | GB/s of K/V (median) | share of copy bandwidth | max error |",
             "|---|---|---|---|---|---|",
         ]
         for r in results.get("decode_kernels", []) + results.get("unified_kernels", []):
             lines.append(
-                f"| {r['kernel']} | {r['case']} | {r['ms'] * 1e3:.1f} | {r['gb_per_s']:.0f} | "
+                f"| {r['kernel']} | {r['case']} | {r['ms'] * 1e3:.1f} ({r['ms_low'] * 1e3:.1f}-{r['ms_high'] * 1e3:.1f}) | "
+                f"{r['gb_per_s']:.0f} | "
                 f"{100 * r['share_of_copy']:.0f} % | {r['max_error']:.1e} |"
             )
         lines.append("")
@@ -144,7 +145,6 @@ def _prompts(vocab: int, bos: int, lengths=(12, 20, 25, 31, 9)) -> list[list[int
 
 def run_checks(out: Path, *, notebooks: bool, only: str | None, budget_s: float) -> dict:
     import torch
-    from triton.testing import do_bench
 
     from course_tools import gpu_checks as G
     from lesson_utils import env
@@ -166,10 +166,11 @@ def run_checks(out: Path, *, notebooks: bool, only: str | None, budget_s: float)
     save(results, out)
 
     print("1/4 copy bandwidth and kernels ...", flush=True)
-    copy_gbs = G.copy_bandwidth("cuda", do_bench)
+    timer = G.do_bench_timer()
+    copy_gbs = G.copy_bandwidth("cuda", timer)
     results["copy_gbs"] = copy_gbs
-    results["decode_kernels"] = [asdict(r) for r in G.decode_kernel_bench("cuda", torch.float16, do_bench, copy_gbs)]
-    results["unified_kernels"] = [asdict(r) for r in G.unified_kernel_bench("cuda", torch.float16, do_bench, copy_gbs)]
+    results["decode_kernels"] = [asdict(r) for r in G.decode_kernel_bench("cuda", torch.float16, timer, copy_gbs)]
+    results["unified_kernels"] = [asdict(r) for r in G.unified_kernel_bench("cuda", torch.float16, timer, copy_gbs)]
     save(results, out)
 
     print("2/4 syncs per engine step ...", flush=True)

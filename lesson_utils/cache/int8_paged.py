@@ -11,8 +11,10 @@ Invariant: for every written slot, ``v_cache[slot] * v_scale[slot]`` is :func:`~
 quantize_kv`'s round trip of the V written there (K alike); the values are never changed in place afterwards.
 
 ``write`` quantizes (``quantize_fn``: the course's, or a learner's exercise 10-1) and refuses a non-finite vector
-naming the layer and slot: that check reads one flag per layer back from the device (``check_finite=False`` turns
-it off, e.g. for timing on a GPU, where it is a sync per layer). ``attend`` dequantizes what it gathers and
+naming the layer and slot. That check reads one flag per layer back from the device, so it is on by default only
+off the kernel path (a CPU); on a GPU it would be a wait per layer, and there a NaN is caught one step later
+instead, when the engine reads the logits (``sampling.next_tokens`` refuses non-finite rows, naming the sequence,
+in the read it makes anyway). ``check_finite=True`` restores the per-layer check anywhere. ``attend`` dequantizes what it gathers and
 attends as lesson 03 does; with ``use_kernels`` (on by default on a GPU) new K/V are quantized by
 :func:`~lesson_utils.kernels.int8_kv.write_int8_kv_to_cache` and decodes read the int8 blocks directly through
 lesson 04's kernel with the int8 tile loader.
@@ -54,7 +56,7 @@ class Int8PagedKVCache(PagedKVCache):
         quantize_fn: Callable = quantize_kv,
         use_kernels: bool | None = None,
         load_fn=None,
-        check_finite: bool = True,
+        check_finite: bool | None = None,
     ):
         super().__init__(num_layers, num_kv_heads, head_dim, manager, dtype=torch.int8, device=device)
         self.compute_dtype = dtype  # what attention computes in: the model's dtype
@@ -65,7 +67,9 @@ class Int8PagedKVCache(PagedKVCache):
         self.use_kernels = acts_as_gpu(device) if use_kernels is None else use_kernels
         self.batched_decode = self.use_kernels  # decodes go to the kernel together; else one by one
         self.load_fn = load_fn
-        self.check_finite = check_finite
+        # the check reads a flag back every layer: free on a CPU, a wait per layer on a GPU (where a NaN still
+        # cannot pass silently: the engine refuses non-finite logits in the read it makes anyway)
+        self.check_finite = not self.use_kernels if check_finite is None else check_finite
 
     @property
     def bytes_per_block(self) -> int:

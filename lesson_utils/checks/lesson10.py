@@ -123,6 +123,13 @@ def check_quantize_kv(fn, quiet: bool = False) -> CheckResult:
     )  # fmt: skip
     if refused is not None:
         return refused
+    if not (
+        bool(torch.isnan(bad[2, 1, 3])) and int(torch.isnan(bad).sum()) == 1 and bool((bad.nan_to_num(1.0) == 1).all())
+    ):
+        return failed(
+            name, "a refused call must leave its input as it was: after refusing the NaN, your x had changed",
+            Q.quantize_kv, quiet,
+        )  # fmt: skip
     inf = torch.ones(2, 1, 4, device=device)
     inf[0, 0, 0] = float("inf")
     refused = expect_error(

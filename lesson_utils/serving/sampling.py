@@ -15,8 +15,16 @@ from lesson_utils.types import Sequence
 def next_tokens(seqs: list[Sequence], logits: torch.Tensor) -> list[int]:
     """Every sequence's next token with at most two device-to-host syncs for the whole step: one for the
     greedy rows' argmax, one for the sampled rows' probabilities (each sampled on the host with its own
-    generator, so a seed gives the same tokens on any device)."""
-    tokens = logits.argmax(dim=-1).tolist()
+    generator, so a seed gives the same tokens on any device). The first read also carries whether each row is
+    finite, so a NaN that reached the logits (a corrupted cache, say) is refused, naming the sequence, at no
+    extra sync."""
+    tokens, finite = torch.stack([logits.argmax(dim=-1), torch.isfinite(logits).all(dim=-1).long()]).tolist()
+    bad = [seqs[i].seq_id for i, ok in enumerate(finite) if not ok]
+    if bad:
+        raise ValueError(
+            f"the logits of sequence(s) {bad} hold NaN or inf: the model's activations or its KV cache are corrupted "
+            "(an int8 cache on a GPU does not check its writes unless check_finite=True, which names the layer and slot)"
+        )
     sampled = [i for i, s in enumerate(seqs) if s.temperature > 0]
     if sampled:
         temps = to_device([seqs[i].temperature for i in sampled], torch.float32, logits.device)[:, None]

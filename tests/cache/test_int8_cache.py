@@ -187,3 +187,21 @@ def test_int8_outputs_against_the_fp32_cache_under_a_measured_bound(tiny):
         agree += int((logits["fp32"].argmax(-1) == logits["int8"].argmax(-1)).sum())
         total += len(ids)
     assert agree / total >= 0.9, agree / total
+
+
+def test_on_the_kernel_path_a_nan_is_refused_when_the_logits_are_read(tiny):
+    """A GPU cache skips the per-layer check (a wait per layer); the NaN still cannot pass silently: the engine's one
+    read of the logits carries their finiteness and refuses, naming the sequence."""
+    model, w = tiny
+    cache = Int8PagedKVCache.for_model(w, 40, 8, use_kernels=True)
+    assert cache.check_finite is False
+    original = cache.write
+
+    def poisoned(layer, batch, k, v):
+        original(layer, batch, k, torch.full_like(v, float("nan")) if layer == 1 else v)
+
+    cache.write = poisoned
+    engine = Engine(w, cache)
+    seq = engine.add_request(_prompts(w, (6,))[0], 3)
+    with pytest.raises(ValueError, match=rf"sequence\(s\) \[{seq.seq_id}\] hold NaN or inf"):
+        engine.step()

@@ -67,6 +67,13 @@ def in_place(x):
     return q, s
 
 
+def cleans_then_refuses(x):
+    if not torch.isfinite(x).all():
+        x.nan_to_num_(0.0)  # "repairs" the caller's tensor, then refuses anyway
+        raise ValueError("NaN")
+    return Q.quantize_kv(x)
+
+
 def int32_values(x):
     q, s = Q.quantize_kv(x)
     return q.int(), s
@@ -98,6 +105,7 @@ def test_the_reference_passes_and_a_stub_is_unsolved():
         (keepdim_scale, ["one scale per vector"]),
         (accepts_nan, ["NaN"]),
         (in_place, ["changed its input"]),
+        (cleans_then_refuses, ["refused call", "changed"]),
         (int32_values, ["int8"]),
         (no_clamp, ["expected"]),
     ],
