@@ -214,6 +214,10 @@ class MemoryManager(Protocol):
     def breakdown(self) -> dict[str, int]:
         """Slots by kind: token states, reserved, internal fragmentation, free (sums to total_slots)."""
 
+    def snapshot(self):
+        """Its whole state now, to put back with ``.restore()`` if the step under way is refused; the snapshot's
+        ``blocks_to_protect()`` names the blocks handed out since that held data then (``memory/snapshot.py``)."""
+
 
 class KVQuantError(ValueError):
     """Lesson 10: a K/V vector an int8 cache cannot hold (NaN or inf); the message names where it is."""

@@ -8,9 +8,36 @@ Every id is checked before anything is read or written (Python's -1 would quietl
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from lesson_utils.host_copy import to_device
+
+
+@dataclass(frozen=True)
+class SlotTensors:
+    """One kind of data a paged cache keeps per slot, every layer: K's and V's tensors, each
+    ``[num_blocks, block_size, ...]`` (the values; lesson 10's int8 cache adds its scales as a second kind).
+
+    A cache names all of its kinds once (``cache.slot_tensors``), and every path that moves blocks - copy-on-write,
+    swap out and in, the hand-over's pack and unpack, a refused step's restore - moves each kind: a block's
+    scales can never be left behind by one path while its values travel."""
+
+    name: str
+    k: list[torch.Tensor]
+    v: list[torch.Tensor]
+
+
+def save_blocks(kinds: tuple[SlotTensors, ...], blocks: list[int]) -> list[torch.Tensor]:
+    """A copy of ``blocks`` of every kind (one :func:`pack_blocks` tensor per kind), for :func:`restore_blocks`."""
+    return [pack_blocks(kind.k, kind.v, blocks) for kind in kinds]
+
+
+def restore_blocks(kinds: tuple[SlotTensors, ...], blocks: list[int], saved: list[torch.Tensor]) -> None:
+    """Write :func:`save_blocks`'s copies back into the same blocks."""
+    for kind, packed in zip(kinds, saved, strict=True):
+        unpack_blocks(packed, kind.k, kind.v, blocks)
 
 
 def _caches(k_cache, v_cache) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -71,6 +98,11 @@ def unpack_blocks(
         raise ValueError(f"the packed tensor does not fit this cache and these blocks: {wrong}")
     if not packed.dtype.is_floating_point and packed.dtype != k_cache[0].dtype:
         raise TypeError(f"packed holds K/V values (a floating dtype, or the cache's own), got {packed.dtype}")
+    if packed.dtype != k_cache[0].dtype and not k_cache[0].dtype.is_floating_point:
+        raise TypeError(
+            f"a {packed.dtype} payload into a {k_cache[0].dtype} cache: integer blocks hold quantized values with "
+            "scales beside them, and a cast would not quantize - send the cache's own blocks (int8 to int8)"
+        )
     packed = packed.to(device=k_cache[0].device, dtype=k_cache[0].dtype)
     for layer, (kc, vc) in enumerate(zip(k_cache, v_cache)):
         kc[index] = packed[0, layer]

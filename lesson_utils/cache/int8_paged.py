@@ -28,11 +28,12 @@ from typing import Callable
 import torch
 
 from lesson_utils.cache.attention import fused_attention_over_context
-from lesson_utils.cache.paged import PagedKVCache, swap_in_blocks, swap_out_blocks
+from lesson_utils.cache.block_copy import SlotTensors
+from lesson_utils.cache.paged import PagedKVCache
 from lesson_utils.cache.quantize import KVQuantError, dequantize_kv, quantize_kv
 from lesson_utils.cache.seam import AttentionMetadata
 from lesson_utils.device_discipline import acts_as_gpu
-from lesson_utils.host_copy import to_device, wants_pinned
+from lesson_utils.host_copy import to_device
 from lesson_utils.kernels.int8_kv import int8_paged_attention_decode, write_int8_kv_to_cache
 
 
@@ -91,9 +92,13 @@ class Int8PagedKVCache(PagedKVCache):
             meta.decode_tables = to_device(padded, torch.int32, self.k_cache[0].device)
         batch.meta = meta
 
-    def _scale_views(self):
-        """The scales as ``[num_blocks, block_size, kv_heads, 1]`` views: block copies move them like values."""
-        return [s.unsqueeze(-1) for s in self.k_scale], [s.unsqueeze(-1) for s in self.v_scale]
+    @property
+    def slot_tensors(self) -> tuple[SlotTensors, ...]:
+        """The int8 values, and their scales as ``[num_blocks, block_size, kv_heads, 1]`` views: every path that
+        moves blocks (copy-on-write, swap, the hand-over, a refused step's restore) moves the scales with them."""
+        return super().slot_tensors + (
+            SlotTensors("scales", [s.unsqueeze(-1) for s in self.k_scale], [s.unsqueeze(-1) for s in self.v_scale]),
+        )
 
     def write(self, layer, batch, k, v):
         slots = batch.meta.slots
@@ -124,29 +129,6 @@ class Int8PagedKVCache(PagedKVCache):
                 f"{int(batch.meta.slots[row])}) holds NaN or inf; int8 with a scale cannot store it, and a NaN scale "
                 "would poison every later step of this sequence. Nothing was written for this layer."
             )
-
-    def copy_block(self, src: int, dst: int) -> None:
-        super().copy_block(src, dst)
-        for ks, vs in zip(self.k_scale, self.v_scale):
-            ks[dst].copy_(ks[src])
-            vs[dst].copy_(vs[src])
-
-    def _scale_space(self, space) -> torch.Tensor:
-        """The swap space's host tensor for scales, beside its ``kv`` (allocated on first use)."""
-        if getattr(space, "scales", None) is None:
-            shape = (2, len(self.k_scale), space.num_blocks) + tuple(self.k_scale[0].shape[1:]) + (1,)
-            space.scales = torch.zeros(shape, dtype=torch.float32, pin_memory=wants_pinned(self.k_cache[0].device))
-        return space.scales
-
-    def swap_out(self, copies, space) -> None:
-        super().swap_out(copies, space)
-        if copies:
-            swap_out_blocks(*self._scale_views(), copies, self._scale_space(space))
-
-    def swap_in(self, copies, space) -> None:
-        super().swap_in(copies, space)
-        if copies:
-            swap_in_blocks(*self._scale_views(), copies, self._scale_space(space))
 
     def _gather_dequantized(self, layer, table, ctx):
         k = self._gather(self.k_cache[layer], table, ctx)

@@ -25,7 +25,7 @@ from typing import Callable
 import torch
 
 from lesson_utils.cache.attention import decode_attention, decode_slot_index, fused_attention_over_context, gather_kv
-from lesson_utils.cache.block_copy import pack_blocks, unpack_blocks
+from lesson_utils.cache.block_copy import SlotTensors, pack_blocks, restore_blocks, save_blocks, unpack_blocks
 from lesson_utils.cache.seam import AttentionMetadata, StepBatch, mark_decodes
 from lesson_utils.device_discipline import acts_as_gpu, synchronize
 from lesson_utils.host_copy import to_device, wants_pinned
@@ -114,6 +114,19 @@ class PagedKVCache:
         return self.manager.block_size
 
     @property
+    def slot_tensors(self) -> tuple[SlotTensors, ...]:
+        """Everything this cache keeps per slot, named once: every path that moves blocks moves each of these."""
+        return (SlotTensors("K/V", self.k_cache, self.v_cache),)
+
+    def save_blocks(self, blocks: list[int]) -> list[torch.Tensor]:
+        """A copy of ``blocks``' contents, every kind and layer (a step about to overwrite them keeps it)."""
+        return save_blocks(self.slot_tensors, blocks)
+
+    def restore_blocks(self, blocks: list[int], saved: list[torch.Tensor]) -> None:
+        """Put :meth:`save_blocks`'s copy back (a refused step)."""
+        restore_blocks(self.slot_tensors, blocks, saved)
+
+    @property
     def bytes_per_block(self) -> int:
         k = self.k_cache[0]
         return 2 * len(self.k_cache) * k[0].numel() * k.element_size()
@@ -164,23 +177,40 @@ class PagedKVCache:
     # buffer: gather on the device (pack_blocks, lesson 09's packing too), one asynchronous copy, scatter on the
     # other side. Per layer (or per block) copies through pageable memory would each wait for the GPU and pay
     # PCIe's fixed cost again.
+    def _host_tensors(self, space) -> list[torch.Tensor]:
+        """The swap space's host tensors, one per kind of per-slot data, checked against this cache's kinds."""
+        kinds = self.slot_tensors
+        if space.host is None or len(space.host) != len(kinds):
+            have = "none" if space.host is None else f"{len(space.host)} kind(s)"
+            raise ValueError(
+                f"the swap space holds host tensors for {have}, but this cache keeps {len(kinds)} kind(s) of "
+                f"per-slot data ({', '.join(k.name for k in kinds)}): attach it to this cache "
+                "(space.attach_tensors([kind.k for kind in cache.slot_tensors])), as the Engine does"
+            )
+        return space.host
+
     def swap_out(self, copies: list[tuple[int, int]], space) -> None:
-        """Copy ``(gpu, cpu)`` blocks into the swap space's CPU tensors (lesson 06): one device-to-host copy
-        and one wait for it (the host must not read the staging buffer before the data has landed)."""
+        """Copy ``(gpu, cpu)`` blocks into the swap space's CPU tensors (lesson 06), every kind of per-slot data:
+        one device-to-host copy and one wait per kind (the host must not read the staging buffer before the data
+        has landed)."""
         if copies:
-            swap_out_blocks(self.k_cache, self.v_cache, copies, space.kv)
+            for kind, host in zip(self.slot_tensors, self._host_tensors(space)):
+                swap_out_blocks(kind.k, kind.v, copies, host)
 
     def swap_in(self, copies: list[tuple[int, int]], space) -> None:
-        """Copy ``(cpu, gpu)`` blocks back from the swap space (lesson 06): one host-to-device copy from pinned
-        memory, queued on the GPU's stream; nothing waits (PyTorch keeps the pinned buffer alive until it is read)."""
+        """Copy ``(cpu, gpu)`` blocks back from the swap space (lesson 06), every kind: one host-to-device copy
+        from pinned memory per kind, queued on the GPU's stream; nothing waits (PyTorch keeps the pinned buffer
+        alive until it is read)."""
         if copies:
-            swap_in_blocks(self.k_cache, self.v_cache, copies, space.kv)
+            for kind, host in zip(self.slot_tensors, self._host_tensors(space)):
+                swap_in_blocks(kind.k, kind.v, copies, host)
 
     def copy_block(self, src: int, dst: int) -> None:
-        """Copy one block's K/V in every layer (copy-on-write's data movement)."""
-        for kc, vc in zip(self.k_cache, self.v_cache):
-            kc[dst].copy_(kc[src])
-            vc[dst].copy_(vc[src])
+        """Copy one block's contents, every kind and layer (copy-on-write's data movement)."""
+        for kind in self.slot_tensors:
+            for kc, vc in zip(kind.k, kind.v):
+                kc[dst].copy_(kc[src])
+                vc[dst].copy_(vc[src])
 
     def write(self, layer, batch, k, v):
         slots = batch.meta.slots

@@ -11,7 +11,9 @@ values and one fp32 scale:
 * one scale per token and head, not per tensor: one outlier token would otherwise flatten every other token's
   values into a few levels (lesson 10 measures how much);
 * NaN or inf in a vector cannot be stored: :func:`quantize_kv` refuses it naming the token and head (the engine's
-  cache names the layer and slot), rather than writing a NaN scale that would poison every later step.
+  cache names the layer and slot), rather than writing a NaN scale that would poison every later step. So is a
+  finite float64 vector whose scale float32 cannot hold (a largest value above 127 x 3.4e38); one within float32's
+  reach is quantized in float64, correctly. A stored scale is always finite.
 
 The error of one value is at most half a step, ``scale / 2`` - relative to the vector's largest value,
 ``1 / 254`` (0.4 %).
@@ -36,16 +38,34 @@ def quantize_kv(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if x.dim() < 2:
         raise ValueError(f"quantize_kv takes [..., head_dim] with at least a head axis, got shape {tuple(x.shape)}")
     check_finite(x)
-    xf = x.float()
-    scale = xf.abs().amax(dim=-1) / QMAX
-    safe = torch.where(scale > 0, scale, torch.ones_like(scale))  # an all-zero vector: q = 0, scale 0
-    q = torch.round(xf / safe[..., None]).clamp_(-QMAX, QMAX).to(torch.int8)
+    # a float64 input may hold finite values beyond float32's range: work in float64 then, and refuse a vector whose
+    # scale float32 cannot hold (the stored scale is float32; an inf there would poison every later step)
+    xw = x.double() if x.dtype == torch.float64 else x.float()
+    scale = (xw.abs().amax(dim=-1) / QMAX).float()
+    _refuse_unstorable_scales(xw, scale)
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale)).to(xw.dtype)  # an all-zero vector: q = 0, scale 0
+    q = torch.round(xw / safe[..., None]).clamp_(-QMAX, QMAX).to(torch.int8)
     return q, scale
 
 
+def _refuse_unstorable_scales(x: torch.Tensor, scale: torch.Tensor) -> None:
+    """A finite vector whose scale overflows float32 (largest value above 127 x float32's max) cannot be stored."""
+    bad = ~torch.isfinite(scale)
+    if bool(bad.any()):
+        index = [int(i) for i in bad.nonzero()[0]]
+        token, head = (index[:-1] or [0]), index[-1]
+        raise KVQuantError(
+            f"a K/V vector's largest value is {float(x[tuple(index)].abs().max()):.3g} at token "
+            f"{token[0] if len(token) == 1 else token}, head {head}: its scale ({QMAX}ths of it) overflows float32, "
+            "the scales' dtype, so int8 with a scale cannot store it (the model produced it: check its inputs)"
+        )
+
+
 def dequantize_kv(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """``q * scale`` in ``dtype`` (``scale`` has ``q``'s shape without its last axis)."""
-    return (q.float() * scale.float()[..., None]).to(dtype)
+    """``q * scale`` in ``dtype`` (``scale`` has ``q``'s shape without its last axis); computed in float32, or in
+    float64 when that is asked for (a value beyond float32's range stays finite there)."""
+    work = torch.float64 if dtype == torch.float64 else torch.float32
+    return (q.to(work) * scale.to(work)[..., None]).to(dtype)
 
 
 def quantize_per_tensor(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -11,6 +11,9 @@
 
 Each step can be a learner's version (``plan_fn``, ``pack_fn``, ``unpack_fn``, ``adopt_fn``); whatever they do,
 a failed hand-over gives back every block it took on the decode side, and the prefill side frees its own.
+
+Everything a cache keeps per slot travels (``cache.slot_tensors``): K/V values, and an int8 cache's scales beside
+them - one packed tensor per kind, packed and unpacked by the same functions. Both sides must keep the same kinds.
 """
 
 from __future__ import annotations
@@ -34,6 +37,23 @@ class Prefilled:
     request: Request
     first_token: int
     blocks: list[int]  # the prefill side's blocks holding the prompt's K/V, in order
+
+
+def _payloads(payload, kinds) -> list[torch.Tensor]:
+    """The packed tensors, one per kind of per-slot data the decode cache keeps, or a clear refusal."""
+    payloads = [payload] if isinstance(payload, torch.Tensor) else payload
+    if not isinstance(payloads, (list, tuple)) or not all(isinstance(p, torch.Tensor) for p in payloads):
+        raise TypeError(
+            f"a payload is one packed tensor, or one per kind of per-slot data; got {type(payload).__name__}"
+        )
+    if len(payloads) != len(kinds):
+        names = ", ".join(k.name for k in kinds)
+        raise ValueError(
+            f"the payload holds {len(payloads)} packed tensor(s), but the decode cache keeps {len(kinds)} kind(s) of "
+            f"per-slot data ({names}): pack every one of them (cache.slot_tensors), in that order - an int8 cache's "
+            "blocks without their scales would decode from zeroed keys"
+        )
+    return list(payloads)
 
 
 def _adopt(manager, seq_id: int, blocks: list[int], num_tokens: int):
@@ -78,11 +98,13 @@ def receive(
         seq.finished_step = step
         return seq
     manager, cache = engine.manager, engine.cache
+    payloads = _payloads(payload, cache.slot_tensors)
     plan = plan_fn(
         req.req_id, prefilled.blocks, req.prompt_len, manager.block_size, manager.allocate_block, manager.free_block
     )
     try:
-        unpack_fn(payload, cache.k_cache, cache.v_cache, plan.dst_blocks)
+        for kind, packed in zip(cache.slot_tensors, payloads):
+            unpack_fn(packed, kind.k, kind.v, plan.dst_blocks)
         adopt_fn(manager, req.req_id, plan.dst_blocks, req.prompt_len)
         engine.scheduler.add_running(seq)
     except BaseException:
@@ -108,11 +130,20 @@ def hand_over(
     adopt_fn: Callable = _adopt,
 ) -> Sequence:
     """Both halves in one process: prefill ``request`` on ``prefill_runner``'s cache, pack its blocks, receive them
-    into ``decode_engine`` (:func:`receive`), and free the prefill side's blocks whatever happened."""
+    into ``decode_engine`` (:func:`receive`), and free the prefill side's blocks whatever happened. Both caches
+    must keep the same kinds of per-slot data (fp K/V on both sides, or int8 values and scales on both)."""
+    sent = [k.name for k in prefill_runner.cache.slot_tensors]
+    kept = [k.name for k in decode_engine.cache.slot_tensors]
+    if sent != kept:
+        raise ValueError(
+            f"the prefill cache keeps {', '.join(sent)} per slot and the decode cache keeps {', '.join(kept)}: a "
+            "hand-over copies blocks as they are, so both sides need the same kind of cache (int8 to int8)"
+        )
     prefilled = prefill_request(prefill_runner, prefill_manager, request)
     try:
         cache = prefill_runner.cache
-        payload = pack_fn(cache.k_cache, cache.v_cache, prefilled.blocks)
+        packed = [pack_fn(kind.k, kind.v, prefilled.blocks) for kind in cache.slot_tensors]
+        payload = packed[0] if len(packed) == 1 else packed
         return receive(
             decode_engine,
             prefilled,

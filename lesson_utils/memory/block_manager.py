@@ -22,6 +22,8 @@ import numpy as np
 
 from lesson_utils.memory.block_allocator import BlockAllocator
 from lesson_utils.memory.block_table import BlockTable, blocks_needed, grow_block_table
+from lesson_utils.memory.snapshot import BlockSnapshot
+from lesson_utils.state import capture
 from lesson_utils.types import FREE, INTERNAL, TOKEN, NeverFits, OutOfBlocks, Sequence, SlotKind
 
 
@@ -121,6 +123,21 @@ class BlockManager:
 
     def cache_computed(self, seq: Sequence) -> None:
         """Nothing to register: this manager has no prefix cache (lesson 05's has)."""
+
+    def snapshot(self) -> BlockSnapshot:
+        """Every table, count and free block now (and the allocator's state), to put back if the step under way is
+        refused; it names the blocks the step then hands out that held data now (their contents are the caller's
+        to save before they are written)."""
+        return BlockSnapshot(
+            [capture(self), capture(self.allocator)],
+            {sid: list(t.blocks) for sid, t in self.tables.items()},
+            dict(self._hashed_blocks()),
+            lambda: ({sid: t.blocks for sid, t in self.tables.items()}, self._hashed_blocks()),
+        )
+
+    def _hashed_blocks(self) -> dict[int, int]:
+        """Blocks that hold a findable prefix, with its hash (none here: lesson 05's prefix cache keeps some)."""
+        return {}
 
     # ---- used by the paged cache ----------------------------------------------------------------
     def ensure_capacity(self, seq_id: int, num_tokens: int) -> BlockTable:

@@ -13,6 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
+from lesson_utils.state import Record
+
 
 def blocks_needed(num_tokens: int, block_size: int) -> int:
     """Blocks that hold ``num_tokens`` tokens: ceil(num_tokens / block_size)."""
@@ -30,7 +32,7 @@ def grow_block_table(block_table: list[int], num_tokens: int, block_size: int, a
 
 
 @dataclass
-class BlockTable:
+class BlockTable(Record):
     """One sequence's blocks. Invariant: ``len(blocks) == blocks_needed(num_tokens, block_size)``."""
 
     block_size: int

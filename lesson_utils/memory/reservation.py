@@ -20,6 +20,8 @@ from __future__ import annotations
 import numpy as np
 
 from lesson_utils.memory.contiguous import FirstFitAllocator
+from lesson_utils.memory.snapshot import MemorySnapshot
+from lesson_utils.state import capture
 from lesson_utils.types import FREE, INTERNAL, RESERVED, TOKEN, NeverFits, Sequence, SlotKind
 
 POLICIES = ("max", "pow2", "oracle")
@@ -121,6 +123,11 @@ class ContiguousReservationManager:
 
     def cache_computed(self, seq: Sequence) -> None:
         """Nothing to register: contiguous reservations have no prefix cache."""
+
+    def snapshot(self) -> MemorySnapshot:
+        """Every reservation and hole now, to put back if the step under way is refused. A step never hands out a
+        region it freed (reservations never run short mid-step: nothing is preempted), so no data needs saving."""
+        return MemorySnapshot([capture(self), capture(self.allocator)])
 
     def block_is_free(self, block_id: int) -> bool:
         raise ValueError("contiguous reservations have no blocks (swapping needs a block manager)")

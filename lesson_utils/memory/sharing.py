@@ -188,6 +188,9 @@ class SharingBlockManager(BlockManager):
     def share_block(self, block_id: int) -> None:
         self.pool.incref(block_id)
 
+    def _hashed_blocks(self) -> dict[int, int]:
+        return self.pool.hash_of
+
     def _release_order(self, blocks: list[int]):
         return reversed(blocks)  # tail blocks first: the free queue evicts them first, keeping shared prefixes
 

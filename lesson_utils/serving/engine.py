@@ -31,6 +31,7 @@ import torch
 
 from lesson_utils.model.opt_forward import OPTWeights
 from lesson_utils.serving.beam_search import BeamGroup
+from lesson_utils.serving.checkpoint import StepCheckpoint
 from lesson_utils.serving.cost_model import StepWork
 from lesson_utils.serving.model_runner import ModelRunner
 from lesson_utils.serving.output import StepPlan
@@ -115,8 +116,8 @@ class Engine:
     stats: list[StepStats] = field(default_factory=list)
 
     def __post_init__(self):
-        if self.swap_space is not None and self.swap_space.kv is None:
-            self.swap_space.attach_tensors(self.cache.k_cache)
+        if self.swap_space is not None and self.swap_space.host is None:
+            self.swap_space.attach_tensors([kind.k for kind in self.cache.slot_tensors])
         self.scheduler = FCFSScheduler(
             self.cache.manager,
             max_num_seqs=self.max_num_seqs,
@@ -205,14 +206,27 @@ class Engine:
     # ---- the step -----------------------------------------------------------------------------------
     def step(self) -> list[Sequence]:
         """One iteration (:func:`~lesson_utils.serving.step.serve_step`, or ``step_fn``), timed and recorded;
-        returns the sequences that finished in it."""
+        returns the sequences that finished in it.
+
+        All or nothing: if anything refuses the step (non-finite logits naming a sequence, a plan function's error,
+        an error in the forward pass), every sequence, block table and counter is put back as it was before the
+        step (:class:`~lesson_utils.serving.checkpoint.StepCheckpoint`) and the error is raised; abort the
+        sequence it names and the others are served as they would have been without it."""
         t0 = time.perf_counter()
-        result = self.step_fn(self.scheduler, self.runner, self._step)
-        if not (isinstance(result, tuple) and len(result) == 2 and isinstance(result[0], StepPlan)):
-            raise TypeError(
-                "a step returns (plan, finished): the StepPlan from scheduler.schedule(step) and the list "
-                f"scheduler.update_from_output(plan, output) returns; got {type(result).__name__}"
-            )
+        checkpoint = StepCheckpoint.take(self.scheduler, self.cache)
+        self.runner.before_writes = checkpoint.protect
+        try:
+            result = self.step_fn(self.scheduler, self.runner, self._step)
+            if not (isinstance(result, tuple) and len(result) == 2 and isinstance(result[0], StepPlan)):
+                raise TypeError(
+                    "a step returns (plan, finished): the StepPlan from scheduler.schedule(step) and the list "
+                    f"scheduler.update_from_output(plan, output) returns; got {type(result).__name__}"
+                )
+        except BaseException:  # a refused step changes nothing: every sequence, table and counter as before it
+            checkpoint.restore()
+            raise
+        finally:
+            self.runner.before_writes = None
         plan, done = StepResult(*result)
         done = list(done)
         now = time.perf_counter()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from lesson_utils.cache.seam import StepBatch
@@ -19,6 +21,8 @@ class ModelRunner:
 
     def __init__(self, w: OPTWeights, cache, swap_space=None):
         self.w, self.cache, self.swap_space = w, cache, swap_space
+        # the engine's step checkpoint (StepCheckpoint.protect) while a step runs: called before anything is written
+        self.before_writes: Callable[[], None] | None = None
 
     def execute(self, plan: StepPlan) -> RunnerOutput:
         self.apply(plan)
@@ -35,6 +39,8 @@ class ModelRunner:
     def apply(self, plan: StepPlan) -> None:
         """The plan's block copies, before the forward pass: swap-ins, swap-outs, then copy-on-write copies
         (a block a swap-out frees may be the destination of a copy-on-write of the same step)."""
+        if self.before_writes is not None:
+            self.before_writes()
         if plan.swap_in or plan.swap_out:
             self.cache.swap_in(plan.swap_in, self.swap_space)
             self.cache.swap_out(plan.swap_out, self.swap_space)
@@ -44,6 +50,8 @@ class ModelRunner:
     def logits(self, seqs: list[Sequence], counts: list[int] | None = None) -> torch.Tensor:
         """Feed every sequence its next ``counts[i]`` uncomputed tokens (default: all of them); the logits of
         each one's last fed token. The sequences are not changed."""
+        if self.before_writes is not None:
+            self.before_writes()
         device = self.w.embed_tokens.device
         if counts is None:
             counts = [len(s.token_ids) - s.kv_len for s in seqs]

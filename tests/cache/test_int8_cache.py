@@ -205,3 +205,25 @@ def test_on_the_kernel_path_a_nan_is_refused_when_the_logits_are_read(tiny):
     seq = engine.add_request(_prompts(w, (6,))[0], 3)
     with pytest.raises(ValueError, match=rf"sequence\(s\) \[{seq.seq_id}\] hold NaN or inf"):
         engine.step()
+
+
+def test_quantize_never_stores_an_infinite_scale_for_a_finite_input():
+    """float64 beyond float32's range: quantized correctly while the scale fits float32, refused naming token and
+    head when it does not; float16's extremes (largest, smallest subnormal) quantize as the rule says."""
+    from lesson_utils.cache.quantize import KVQuantError, dequantize_kv, quantize_kv
+
+    x = torch.zeros(3, 2, 8, dtype=torch.float64)
+    x[1, 0, 3] = 1e39  # above float32's max (3.4e38), its scale (1e39 / 127) within it
+    x[2, 1, :] = torch.linspace(-5.0, 5.0, 8, dtype=torch.float64)
+    q, s = quantize_kv(x)
+    assert torch.isfinite(s).all() and s.dtype == torch.float32
+    assert q[1, 0, 3] == 127 and abs(float(dequantize_kv(q, s, torch.float64)[1, 0, 3]) / 1e39 - 1) < 1e-6
+    assert torch.equal(q[2, 1], quantize_kv(x[2:, 1:].float())[0][0, 0])  # the float32 rule for ordinary values
+    x[2, 1, 5] = -1e300  # its scale would be inf in float32
+    with pytest.raises(KVQuantError, match=r"at token 2, head 1: its scale .* overflows float32"):
+        quantize_kv(x)
+    h = torch.tensor([[[65504.0, -65504.0, 6e-8, 0.0]], [[6e-8, -6e-8, 0.0, 0.0]]], dtype=torch.float16)
+    q, s = quantize_kv(h)
+    assert torch.isfinite(s).all()
+    assert q[0, 0].tolist() == [127, -127, 0, 0] and q[1, 0].tolist() == [127, -127, 0, 0]
+    assert torch.allclose(dequantize_kv(q, s, torch.float32)[0, 0, :2], torch.tensor([65504.0, -65504.0]))
