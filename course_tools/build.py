@@ -36,6 +36,8 @@ from pathlib import Path
 
 import nbformat
 
+from course_tools.workspace import WORK_DIR, keep_copy
+
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover - python 3.10 gets tomli from the package dependencies
@@ -436,12 +438,17 @@ def orphan_students(root: Path | str) -> list[Path]:
 def build(root: Path | str = ".", quiet: bool = False) -> list[Path]:
     """Write every generated/normalized file that differs from disk; returns the paths written."""
     root = Path(root)
-    written = []
+    written, kept = [], []
     for path, text in build_files(root).items():
-        if _read_text(path) != text:
+        on_disk = _read_text(path)
+        if on_disk != text:
+            if path.parent.name == NOTEBOOKS_DIR and on_disk is not None and holds_learner_work(on_disk, text):
+                kept.append((path, keep_copy(root, path)))  # a learner's answers are never lost to a rebuild
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_bytes(text.encode("utf-8"))
             written.append(path)
+    for path, saved in kept:
+        print(f"{_rel(path, root)} held your work (answers or outputs): kept in {_rel(saved, root)}", file=sys.stderr)
     if not quiet:
         for path in written:
             print(f"wrote {_rel(path, root)}")
@@ -477,6 +484,28 @@ def _first_diff(old: str, new: str, label: str, context: int = 3, limit: int = 3
     return "\n".join(diff)
 
 
+def holds_learner_work(on_disk: str, built: str) -> bool:
+    """Whether a student notebook on disk holds a learner's work: outputs, or an exercise stub of the built notebook
+    replaced by something else (an answer)."""
+    if _has_outputs(on_disk):
+        return True
+    stubs = {line.strip() for line in _code_lines(built) if "raise NotImplementedError(" in line}
+    return not stubs <= {line.strip() for line in _code_lines(on_disk)}
+
+
+def _code_lines(text: str) -> list[str]:
+    try:
+        cells = json.loads(text).get("cells", [])
+    except json.JSONDecodeError:
+        return []
+    lines = []
+    for cell in cells:
+        if cell.get("cell_type") == "code":
+            source = cell.get("source", "")
+            lines += ("".join(source) if isinstance(source, list) else source).splitlines()
+    return lines
+
+
 def _has_outputs(text: str) -> bool:
     try:
         data = json.loads(text)
@@ -495,7 +524,12 @@ def check(root: Path | str = ".") -> list[str]:
     for folder in (SOLUTIONS_DIR, NOTEBOOKS_DIR):
         for path in sorted((root / folder).glob(LESSON_GLOB)):
             text = _read_text(path) or ""
-            if _has_outputs(text):
+            if folder == NOTEBOOKS_DIR and _has_outputs(text):
+                problems.append(
+                    f"{_rel(path, root)}: holds outputs - a learner's work? Work in {WORK_DIR}/ (scripts/lab.sh "
+                    f"opens it); `{FIX_COMMAND}` keeps a copy of this file in {WORK_DIR}/ before restoring it"
+                )
+            elif _has_outputs(text):
                 problems.append(f"{_rel(path, root)}: has outputs or execution counts (commit notebooks without them)")
             if folder == NOTEBOOKS_DIR and "BEGIN SOLUTION" in text:
                 problems.append(f"{_rel(path, root)}: student notebook contains 'BEGIN SOLUTION'")
@@ -516,7 +550,9 @@ def check(root: Path | str = ".") -> list[str]:
             where = f" (exists only in {SOLUTIONS_DIR}/)" if path.parent.name == NOTEBOOKS_DIR else ""
             problems.append(f"{label}: missing{where}")
         elif on_disk != text:
-            problems.append(f"{label}: differs from what the build writes\n{_first_diff(on_disk, text, label)}")
+            mine = path.parent.name == NOTEBOOKS_DIR and holds_learner_work(on_disk, text)
+            hint = f" - it holds answers: `{FIX_COMMAND}` keeps a copy in {WORK_DIR}/ first" if mine else ""
+            problems.append(f"{label}: differs from what the build writes{hint}\n{_first_diff(on_disk, text, label)}")
     return problems
 
 

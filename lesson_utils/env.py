@@ -240,8 +240,9 @@ def show_first_widget(p: Profile) -> bool:
 
     JupyterLab shows the cell that displays a kernel's *first* widget as "Idle" while it runs (measured: the
     second widget cell shows "Busy"), and the first such cell is often a long one (its progress bar is the
-    widget). Displaying one here, in the quick setup cell, makes every later long cell show "Busy". Nothing is
-    shown headless (the course's runner, CI) or outside Jupyter."""
+    widget). Displaying one here, in the quick setup cell, makes every later long cell show "Busy". It also
+    displays :data:`OUTPUT_WRAP_STYLE` (printed lines break between words). Nothing is shown headless (the
+    course's runner, CI) or outside Jupyter."""
     if is_headless():
         return False
     try:
@@ -254,5 +255,17 @@ def show_first_widget(p: Profile) -> bool:
         from IPython.display import display
     except ImportError:
         return False
+    from IPython.display import HTML
+
     display(ipywidgets.HTML(value=f"<small>widgets ready - {p.label()}</small>"))
+    display(HTML(OUTPUT_WRAP_STYLE))
     return True
+
+
+# JupyterLab's output area breaks long printed lines anywhere (``word-break: break-all``): "1.88x" became "1.88" and
+# "x" on two lines. This rule, more specific than JupyterLab's, breaks them between words; a word longer than the
+# whole line still breaks (overflow-wrap). It is an invisible output of the setup cell, saved with the notebook.
+OUTPUT_WRAP_STYLE = (
+    "<style>.jp-OutputArea .jp-OutputArea-output pre, .jp-OutputArea .jp-OutputArea-output.jp-RenderedText pre "
+    "{word-break: normal; overflow-wrap: anywhere;}</style>"
+)

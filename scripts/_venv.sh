@@ -9,7 +9,7 @@ fi
 # shellcheck disable=SC1091
 . "$VENV/bin/activate"
 python -m pip install --upgrade pip
-# torch first, pinned: a bare 'torch' requirement would pull the newest CUDA build (several GB).
-# On a machine with a GPU, install the torch build you want before running this; it is kept.
-python -c "import torch" 2>/dev/null || python -m pip install "torch==2.13.0"
+# torch first, pinned: a bare 'torch' requirement would pull the newest CUDA build (several GB). Linux without
+# an NVIDIA GPU gets the CPU-only build; a torch already installed is kept (scripts/install_torch.py says why).
+python scripts/install_torch.py
 python -m pip install -r requirements.txt -e ".[test]"

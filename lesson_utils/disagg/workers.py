@@ -30,6 +30,7 @@ import datetime
 import os
 import queue
 import socket
+import sys
 import time
 from dataclasses import dataclass, field
 
@@ -208,10 +209,22 @@ def prefill_worker(rank: int, cfg: DisaggConfig, requests: list[tuple], results,
     except Exception as err:  # noqa: BLE001 - reported to the parent, which raises it
         freed = _free_everything(manager)
         results.put(("error", "prefill", f"{type(err).__name__}: {err}", freed))
-        raise SystemExit(1) from err
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        _leave(results, 1)
+    _leave(results, 0)
+
+
+def _leave(results, code: int, destroy: bool = True) -> None:
+    """A worker's deterministic end: its process groups destroyed (unless a receiving thread may still be blocked
+    in gloo), its reports flushed to the parent, then ``os._exit``. Not the interpreter's own teardown: there
+    gloo's threads met C++ static destructors now and then and the process aborted ("terminate called without an
+    active exception", exit code -6) after it had delivered every output."""
+    if destroy and dist.is_initialized():
+        dist.destroy_process_group()
+    results.close()
+    results.join_thread()  # the reports must leave before the process does
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _receive(inbox: queue.Queue, layers: int, block_shape: tuple, dtype: torch.dtype, pin: bool, group) -> None:
@@ -255,11 +268,12 @@ def decode_worker(rank: int, cfg: DisaggConfig, results, faults: Faults = Faults
         step_times: list[float] = [float("nan")] * len(engine.stats)  # the end of every step (warm-up's: unknown)
         adopted_at: dict[int, float] = {}
         inbox: queue.Queue = queue.Queue()
-        threading.Thread(
+        receiver = threading.Thread(
             target=_receive,
             args=(inbox, len(cache.k_cache), tuple(k0.shape[1:]), k0.dtype, k0.is_cuda, group),
             daemon=True,
-        ).start()
+        )
+        receiver.start()
         stream_open = True
         while stream_open or engine.scheduler.has_work:
             while stream_open:  # adopt everything that has arrived; wait (bounded) only when there is nothing to decode
@@ -298,13 +312,12 @@ def decode_worker(rank: int, cfg: DisaggConfig, results, faults: Faults = Faults
             if engine.scheduler.has_work:
                 _report(results, engine.step(), step_times, adopted_at)
         results.put(("decode done", manager.num_free_blocks == cfg.num_blocks))
-        dist.destroy_process_group()
+        receiver.join(timeout=cfg.timeout_s)  # it returned at the end of the stream
     except Exception as err:  # noqa: BLE001 - reported to the parent, which raises it
         freed = _free_everything(manager)
         results.put(("error", "decode", f"{type(err).__name__}: {err}", freed))
-        results.close()
-        results.join_thread()  # the report must leave before the process does
-        os._exit(1)  # not destroy_process_group: the receiving thread may still be blocked in gloo
+        _leave(results, 1, destroy=False)  # the receiving thread may still be blocked in gloo
+    _leave(results, 0)
 
 
 def _to_host(t: torch.Tensor) -> torch.Tensor:
@@ -467,8 +480,13 @@ def run_disaggregated(
             if p.is_alive():
                 p.terminate()
                 p.join(timeout=5)
-    # exit code 1 is a worker that failed and reported why; anything else died without a word
-    crashed = [f"the {n} worker exited with code {p.exitcode}" for n, p in procs.items() if p.exitcode not in (0, 1)]
+    # exit code 1 is a worker that failed and reported why; anything else died without a word - unless it had
+    # reported its end (every output delivered, its blocks counted): the run is judged by what was received
+    crashed = [
+        f"the {n} worker exited with code {p.exitcode}"
+        for n, p in procs.items()
+        if p.exitcode not in (0, 1) and n not in got.finished
+    ]
     if got.errors or crashed:
         raise DisaggError("disaggregated serving failed: " + "; ".join(crashed + got.errors))
     rel = {rid: [t - got.start for t in ts] for rid, ts in got.token_times.items()}

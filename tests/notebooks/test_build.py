@@ -293,7 +293,7 @@ def test_check_fails_when_a_notebook_has_outputs(repo: Path, capsys):
     code.outputs = [nbformat.v4.new_output("stream", name="stdout", text="hi\n")]
     path.write_text(build.dumps(nb))
     assert build.main(["--root", str(repo), "--check"]) == 1
-    assert "notebooks/02_paging.ipynb: has outputs" in capsys.readouterr().out
+    assert "notebooks/02_paging.ipynb: holds outputs" in capsys.readouterr().out
 
 
 def test_check_fails_when_a_student_notebook_holds_a_solution(repo: Path, capsys):
@@ -332,3 +332,61 @@ def test_output_json_is_stable(repo: Path):
     text = (repo / "solutions" / "01_kv_cache.ipynb").read_text()
     data = json.loads(text)
     assert text == json.dumps(data, indent=1, sort_keys=True, ensure_ascii=False) + "\n"
+
+
+# --------------------------------------------------------------------------- the learner's work
+
+
+def _answer(path: Path) -> None:
+    """What JupyterLab saves after a learner answered the exercise and ran the cells."""
+    nb = _read(path)
+    code = next(c for c in nb.cells if "NotImplementedError" in c.source)
+    code.source = code.source.replace(
+        "raise NotImplementedError(\"Exercise 'kv_bytes_per_token' is not solved yet\")", "return 42  # my answer"
+    )
+    code.execution_count = 3
+    code.outputs = [nbformat.v4.new_output("stream", name="stdout", text="42\n")]
+    _write(path, nb)
+
+
+def test_the_working_copy_is_made_once_and_never_overwritten(repo: Path):
+    from course_tools import workspace
+
+    build.build(repo, quiet=True)
+    made = workspace.ensure_workspace(repo)
+    assert [p.name for p in made] == ["01_kv_cache.ipynb", "02_paging.ipynb"]
+    mine = repo / workspace.WORK_DIR / "01_kv_cache.ipynb"
+    _answer(mine)
+    saved = mine.read_bytes()
+    assert workspace.ensure_workspace(repo) == []  # nothing replaced
+    assert build.check(repo) == [] and build.main(["--root", str(repo), "--check"]) == 0  # the test command's check
+    build.build(repo, quiet=True)
+    assert mine.read_bytes() == saved and "return 42  # my answer" in mine.read_text()
+    (repo / workspace.WORK_DIR / "02_paging.ipynb").unlink()
+    assert [p.name for p in workspace.ensure_workspace(repo)] == ["02_paging.ipynb"]  # a missing lesson comes back
+
+
+def test_a_rebuild_keeps_a_copy_of_a_student_notebook_holding_answers(repo: Path, capsys):
+    from course_tools import workspace
+
+    build.build(repo, quiet=True)
+    student = repo / "notebooks" / "01_kv_cache.ipynb"
+    _answer(student)  # the learner worked in notebooks/ itself
+    answered = student.read_bytes()
+    problems = build.check(repo)
+    assert any("holds outputs - a learner's work?" in p and workspace.WORK_DIR in p for p in problems)
+    build.build(repo, quiet=True)  # the fix the check suggests
+    assert "held your work" in capsys.readouterr().err
+    kept = repo / workspace.WORK_DIR / "01_kv_cache.ipynb"
+    assert kept.read_bytes() == answered  # the answers are still there
+    assert build.check(repo) == []
+    _answer(student)
+    build.build(repo, quiet=True)  # a second time: the first copy is not overwritten either
+    assert kept.read_bytes() == answered and (repo / workspace.WORK_DIR / "01_kv_cache.kept-1.ipynb").exists()
+
+
+def test_an_answer_without_outputs_is_work_too_and_a_stale_stub_is_not():
+    built = "raise NotImplementedError(\"Exercise 'x' is not solved yet\")"
+    nb = lambda src: json.dumps({"cells": [{"cell_type": "code", "source": src, "outputs": []}]})  # noqa: E731
+    assert build.holds_learner_work(nb("return 1"), nb(built))
+    assert not build.holds_learner_work(nb("# an older text\n" + built), nb(built))
