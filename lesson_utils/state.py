@@ -13,45 +13,60 @@ Tensors are not copied: K/V data is protected block by block where a step is abo
 
 from __future__ import annotations
 
-import copy
 from collections import OrderedDict, deque
 from dataclasses import dataclass
-
-_CONTAINERS = (list, dict, OrderedDict, deque, set, bytearray)
 
 
 class Record:
     """A small mutable record kept as a dict's value (a block table): captured as a copy, its lists copied."""
 
     def copy_record(self):
-        new = copy.copy(self)
-        for k, v in vars(self).items():
-            if isinstance(v, _CONTAINERS):
-                setattr(new, k, _shallow(v))
+        new = object.__new__(type(self))
+        vars(new).update({k: _shallow(v) if type(v) in _SHALLOW else v for k, v in vars(self).items()})
         return new
 
 
+def _deque(v: deque) -> deque:
+    return deque(v, v.maxlen)
+
+
+_SHALLOW = {list: list.copy, dict: dict.copy, OrderedDict: OrderedDict.copy, set: set.copy, bytearray: bytearray,
+            deque: _deque}  # fmt: skip
+_KEPT = {int, float, str, bool, type(None), tuple, frozenset}  # immutable: kept as they are
+
+
 def _shallow(v):
-    return deque(v, v.maxlen) if isinstance(v, deque) else type(v)(v)
+    return _SHALLOW[type(v)](v)
 
 
-_DEEPER = set(_CONTAINERS)
+def _copy_item(x):
+    t = type(x)
+    if t in _KEPT:
+        return x
+    if t in _SHALLOW:
+        return _SHALLOW[t](x)
+    return x.copy_record() if isinstance(x, Record) else _copy_value(x)
 
 
 def _copy_value(v):
-    if isinstance(v, dict):  # dict and OrderedDict keep their order; containers and records among the values copied
+    """One attribute's value: containers copied (a dict's container and record values too), the rest kept."""
+    t = type(v)
+    if t in _KEPT:
+        return v
+    if t is dict or t is OrderedDict:  # keep the order; values one level deeper where they need it
         kinds = set(map(type, v.values()))
-        if not (kinds & _DEEPER or any(issubclass(k, Record) for k in kinds)):
-            return type(v)(v)
-        return type(v)(
-            (k, x.copy_record() if isinstance(x, Record) else _shallow(x) if isinstance(x, _CONTAINERS) else x)
-            for k, x in v.items()
-        )
-    if isinstance(v, _CONTAINERS):
-        return _shallow(v)
+        if kinds <= _KEPT:
+            return t(v)
+        return t((k, _copy_item(x)) for k, x in v.items())
+    if t in _SHALLOW:
+        return _SHALLOW[t](v)
     if isinstance(v, Record):
         return v.copy_record()
-    return v
+    if isinstance(v, (list, dict, set, bytearray)):  # a subclass of a container: copied as one
+        return _deque(v) if isinstance(v, deque) else t(v)
+    if isinstance(v, deque):
+        return t(v, v.maxlen)
+    return v  # an object of its own (a sequence, a tensor, a function, another part's state): by reference
 
 
 @dataclass

@@ -18,6 +18,7 @@ import re
 import subprocess
 import sys
 import tempfile
+import threading
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -266,29 +267,63 @@ def _main() -> None:
         raise SystemExit("run without TRITON_INTERPRET: the interpreter cannot compile")
     wanted = json.loads(sys.stdin.read() or "null")
     configs = [KernelConfig(**c) for c in wanted] if wanted else course_configs()
-    results = [asdict(_compile_one(cfg, target)) for cfg in configs for target in TARGETS]
+    results = []
+    for cfg in configs:
+        for target in TARGETS:
+            results.append(asdict(_compile_one(cfg, target)))
+            print(f"{PROGRESS_MARK} {len(results)} {len(configs) * len(TARGETS)}", file=sys.stderr, flush=True)
     print(json.dumps(results))
 
 
-def compile_report(configs: list[KernelConfig] | None = None, timeout: int = 900) -> list[CompileResult]:
+PROGRESS_MARK = "aot-progress"  # the child's stderr line after each compile: "aot-progress DONE TOTAL"
+
+
+def compile_report(
+    configs: list[KernelConfig] | None = None, timeout: int = 900, progress: bool = True
+) -> list[CompileResult]:
     """Compile ``configs`` (default: :func:`course_configs`) for every target of ``TARGETS`` (sm_75, sm_80, sm_89,
-    sm_90) in a clean subprocess."""
+    sm_90) in a clean subprocess; ``progress`` shows a bar that moves with every compile (a few seconds each)."""
     environ = dict(os.environ, TRITON_INTERPRET="0")  # "0", not unset: lesson_utils.env only fills it in when absent
     environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
     payload = json.dumps([asdict(c) for c in configs] if configs else None)
-    proc = subprocess.run(
-        [sys.executable, "-m", "lesson_utils.kernels.aot"],
-        input=payload,
-        capture_output=True,
-        text=True,
-        env=environ,
-        timeout=timeout,
-        cwd=str(Path(__file__).resolve().parents[2]),
-    )
-    if proc.returncode != 0:
-        raise RuntimeError(f"the ahead-of-time compile process failed:\n{proc.stderr[-3000:]}")
+    bar, other = None, []
+    if progress:  # before the child starts: its imports and first compile take seconds too
+        from tqdm.auto import tqdm
+
+        total = len(configs or course_configs()) * len(TARGETS)
+        bar = tqdm(total=total, desc="compiling for " + ", ".join(TARGETS), unit="kernel", leave=False)
+    with tempfile.TemporaryFile("w+") as stdout:  # a file, not a pipe: the child never blocks on what it prints
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "lesson_utils.kernels.aot"],
+            stdin=subprocess.PIPE,
+            stdout=stdout,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=environ,
+            cwd=str(Path(__file__).resolve().parents[2]),
+        )
+        timer = threading.Timer(timeout, proc.kill)
+        timer.start()
+        try:
+            proc.stdin.write(payload)
+            proc.stdin.close()
+            for line in proc.stderr:
+                if line.startswith(PROGRESS_MARK):
+                    if bar is not None:
+                        bar.update(int(line.split()[1]) - bar.n)
+                else:
+                    other.append(line)
+            code = proc.wait()
+        finally:
+            timer.cancel()
+            if bar is not None:
+                bar.close()
+        stdout.seek(0)
+        text = stdout.read()
+    if code != 0:
+        raise RuntimeError(f"the ahead-of-time compile process failed:\n{''.join(other)[-3000:]}")
     out = []
-    for row in json.loads(proc.stdout.strip().splitlines()[-1]):
+    for row in json.loads(text.strip().splitlines()[-1]):
         row["config"] = KernelConfig(**row["config"])
         out.append(CompileResult(**row))
     return out
