@@ -68,6 +68,7 @@ KINDS = ("solutions", "notebooks")
 LESSON_GLOB = "[0-9][0-9]_*.ipynb"
 UNSOLVED_TEXT = "not implemented yet"
 KEY_PREFIX = "KEY:"
+SILENT_S = 5.0  # a cell that runs longer than this shows moving progress (a tqdm bar), or the report names it
 ERROR_TAIL_LINES = 8
 
 _ANSI_RE = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
@@ -111,6 +112,7 @@ class NotebookResult:
     key_numbers: dict[str, str] = field(default_factory=dict)  # those of the form "KEY: name = value"
     probe_error: str | None = None  # why profile/versions are missing, if they are
     kernel_log: str | None = None  # the kernel process's own output under OUT, when it wrote any
+    silent_cells: list[str] = field(default_factory=list)  # cells over SILENT_S seconds that showed no progress bar
 
     @property
     def name(self) -> str:
@@ -277,7 +279,11 @@ def run_notebook(
                 try:
                     for index, cell in enumerate(nb.cells):
                         result.error_cell = index
+                        t_cell = time.perf_counter()
                         client.execute_cell(cell, index, execution_count=client.code_cells_executed + 1)
+                        silent = silent_cell(cell, time.perf_counter() - t_cell)
+                        if silent:
+                            result.silent_cells.append(f"cell {index}: {silent}")
                     result.error_cell = None
                 except CellTimeoutError as exc:
                     probe = False  # the kernel is still busy with the cell; it is shut down below
@@ -327,6 +333,27 @@ def run_notebook(
     result.key_numbers = key_numbers(nb)
     result.seconds = round(result.seconds, 2)
     return result
+
+
+def shows_progress(cell) -> bool:
+    """Whether a cell's outputs hold a progress bar: a tqdm widget, or tqdm's text bar in a stream."""
+    for out in cell.get("outputs", []):
+        if "application/vnd.jupyter.widget-view+json" in out.get("data", {}):
+            return True
+        text = out.get("text", "")
+        if out.get("output_type") == "stream" and re.search(
+            r"\d+%\|", "".join(text) if isinstance(text, list) else text
+        ):
+            return True
+    return False
+
+
+def silent_cell(cell, seconds: float) -> str | None:
+    """``"12.3 s: first line"`` for a code cell that ran over :data:`SILENT_S` without a progress bar, else None."""
+    if cell.get("cell_type") != "code" or seconds <= SILENT_S or shows_progress(cell):
+        return None
+    lines = [line for line in cell.get("source", "").splitlines() if line.strip() and not line.lstrip().startswith("#")]
+    return f"{seconds:.1f} s without a progress bar: `{(lines[0] if lines else '').strip()[:80]}`"
 
 
 def _probe(client: NotebookClient, nb, result: NotebookResult, attempts: int = 2) -> None:
@@ -555,6 +582,9 @@ def write_report(results: list[NotebookResult], out_dir: Path | str, *, wall_sec
             lines.append(f"- **Kernel log**: [{r.kernel_log}]({r.kernel_log})")
         if not r.ok and r.error:
             lines += ["", "```text", *r.error.splitlines(), "```"]
+        if r.silent_cells:
+            lines += ["", f"**Silent cells** (over {SILENT_S:.0f} s without a progress bar)", ""]
+            lines += [f"- {c}" for c in r.silent_cells]
         lines += ["", "**Key findings**", ""]
         lines += [f"- {line}" for line in r.key_lines] or ["- (none printed)"]
         lines += ["", "**Figures**", ""]

@@ -184,3 +184,28 @@ def test_the_static_picture_is_the_moment_the_slider_starts_at(monkeypatch, caps
     monkeypatch.setenv("COURSE_HEADLESS", "1")
     plotting.interactive(lambda a: drawn.append(a), a=(0, 10))
     assert drawn[-1] == 5  # no default of its own: the control's middle, as interact does
+
+
+def test_the_setup_cell_makes_jupyterlab_break_printed_lines_between_words(monkeypatch):
+    """JupyterLab's output area breaks long lines anywhere (word-break: break-all: "1.88x" became "1.88" / "x");
+    the setup cell displays a rule that overrides it (checked in JupyterLab in headless Chromium: no word split
+    with it, three words split without it)."""
+    import IPython
+    import IPython.display
+
+    from lesson_utils import env
+
+    class ZMQInteractiveShell:  # what a live Jupyter kernel's shell is called
+        pass
+
+    shown = []
+    monkeypatch.delenv("COURSE_HEADLESS", raising=False)
+    monkeypatch.setattr(IPython, "get_ipython", lambda: ZMQInteractiveShell())
+    monkeypatch.setattr(IPython.display, "display", lambda obj: shown.append(obj))
+    assert env.show_first_widget(env.get_profile())
+    styles = [o.data for o in shown if isinstance(o, IPython.display.HTML)]
+    assert styles == [env.OUTPUT_WRAP_STYLE]
+    assert ".jp-OutputArea .jp-OutputArea-output pre" in styles[0] and "word-break: normal" in styles[0]
+    monkeypatch.setenv("COURSE_HEADLESS", "1")
+    shown.clear()
+    assert not env.show_first_widget(env.get_profile()) and shown == []

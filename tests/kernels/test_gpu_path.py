@@ -319,3 +319,39 @@ def test_the_int8_cache_serves_on_the_device_through_its_kernels(on_device):
         torch_path = Engine(w, Int8PagedKVCache.for_model(w, 20, 8, use_kernels=False))
         assert kernels.generate(prompts, 4) == torch_path.generate(prompts, 4)
         assert kernels.manager.num_free_blocks == 20
+
+
+def test_a_refused_step_is_restored_on_the_device_too(on_device):
+    """Every step of the preempting engines refused once after its forward pass and update, then served: the
+    restore (the saved blocks' data copied back, the swap space's host blocks too) follows a GPU's rules, and every
+    output is still HF's."""
+    from lesson_utils.serving.step import serve_step
+
+    model, w = on_device
+    prompts = _prompts(w, (12, 20, 25, 31, 9))
+    want = [hf_greedy(model, p, 20, w.eos_token_id) for p in prompts]
+    seen: set[int] = set()
+
+    def fails_once(scheduler, runner, step):
+        result = serve_step(scheduler, runner, step)
+        if step not in seen:
+            seen.add(step)
+            raise RuntimeError("refused once")
+        return result
+
+    with discipline():
+        for name, engine in engine_kinds(w):
+            if not name.startswith("preempted"):
+                continue
+            seen.clear()
+            engine.step_fn = fails_once
+            seqs = [engine.add_request(p, 20) for p in prompts]
+            refused = 0
+            while engine.scheduler.has_work:
+                try:
+                    engine.step()
+                except RuntimeError:
+                    refused += 1
+            assert refused == len(engine.stats) and engine.scheduler.num_preemptions > 0, name
+            assert [s.output_ids for s in seqs] == want, name
+            assert engine.manager.num_free_blocks == engine.manager.num_blocks, name

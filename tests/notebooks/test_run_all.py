@@ -265,3 +265,21 @@ def test_a_recorded_run_links_only_to_what_it_keeps(ran, tmp_path):
     assert _dead_links(report) == [] and "Executed notebook" not in text and "not kept with this report" in text
     assert (tmp_path / "recorded" / "summary.json").is_file() and "![" in text  # figures came along
     assert run_all.load_summary(tmp_path / "recorded")["notebooks"] == run_all.load_summary(out)["notebooks"]
+
+
+def test_a_long_cell_without_a_progress_bar_is_named_as_silent():
+    import nbformat
+
+    from course_tools import run_all
+
+    cell = nbformat.v4.new_code_cell("# a comment\nslow_thing()\nmore()")
+    assert run_all.silent_cell(cell, 4.0) is None  # short enough
+    assert run_all.silent_cell(cell, 12.3) == "12.3 s without a progress bar: `slow_thing()`"
+    widget = {"application/vnd.jupyter.widget-view+json": {"model_id": "x"}, "text/plain": "  0%|"}
+    cell.outputs = [nbformat.v4.new_output("display_data", data=widget)]
+    assert run_all.silent_cell(cell, 60.0) is None
+    cell.outputs = [nbformat.v4.new_output("stream", name="stderr", text="serving:  40%|####      | 4/10")]
+    assert run_all.silent_cell(cell, 60.0) is None
+    cell.outputs = [nbformat.v4.new_output("stream", name="stdout", text="done: 40% of the blocks")]
+    assert run_all.silent_cell(cell, 60.0) is not None  # a percentage is not a bar
+    assert run_all.silent_cell(nbformat.v4.new_markdown_cell("text"), 60.0) is None
