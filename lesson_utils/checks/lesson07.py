@@ -9,6 +9,7 @@ import torch
 from lesson_utils.cache.paged import PagedKVCache
 from lesson_utils.kv_math import predict_capacity
 from lesson_utils.memory.sharing import SharingBlockManager
+from lesson_utils.progress import busy
 from lesson_utils.serving.engine import Engine
 from lesson_utils.serving.model_runner import ModelRunner
 from lesson_utils.serving.step import serve_step
@@ -78,9 +79,10 @@ def check_engine_step(fn, w) -> CheckResult:
     g = torch.Generator().manual_seed(7)
     shared = [w.bos_token_id] + torch.randint(4, w.vocab_size, (12,), generator=g).tolist()
     prompts = [shared + torch.randint(4, w.vocab_size, (n,), generator=g).tolist() for n in (1, 3, 6, 2)]
-    ref = _run(w, serve_step, prompts, 6, 12)
     try:
-        got = _run(w, fn, prompts, 6, 12)
+        with busy("checking your step: the course's engine, then yours, on one workload"):
+            ref = _run(w, serve_step, prompts, 6, 12)
+            got = _run(w, fn, prompts, 6, 12)
     except NotImplementedError:
         return not_implemented(name, serve_step)
     except TimeoutError as err:

@@ -435,7 +435,7 @@ def check_requests(requests, vocab_size: int, max_positions: int) -> None:
 
 
 def run_disaggregated(
-    cfg: DisaggConfig, requests: list[tuple[int, list[int], int]], faults: Faults = Faults()
+    cfg: DisaggConfig, requests: list[tuple[int, list[int], int]], faults: Faults = Faults(), progress: bool = True
 ) -> DisaggResult:
     """Start both workers (spawned processes), collect their results; raise :class:`DisaggError` if either dies
     or stalls (within ``cfg.deadline_s()``: start-up budget + 2 x timeout_s + 60 s), after stopping the other. Bad requests are refused first
@@ -458,8 +458,16 @@ def run_disaggregated(
         p.start()
     got = _Collected()
     deadline = time.monotonic() + cfg.deadline_s()  # start-up (spawn, imports, model, warm-up) included
+    bar = None
+    if progress:  # moves with every request decoded; its clock runs through the workers' start-up too
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=len(requests), desc="two workers: requests decoded", unit="req", leave=False)
     try:
         while len(got.finished) < 2 and not got.errors:
+            if bar is not None:
+                bar.update(len(got.outputs) - bar.n)
+                bar.refresh()
             try:
                 got.take(results.get(timeout=0.5))
             except queue.Empty:
@@ -475,6 +483,8 @@ def run_disaggregated(
                     )
                     break
     finally:
+        if bar is not None:
+            bar.close()
         for p in procs.values():
             p.join(timeout=cfg.timeout_s + 5)
             if p.is_alive():

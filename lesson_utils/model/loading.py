@@ -27,6 +27,7 @@ from urllib.parse import urlparse
 import torch
 
 from lesson_utils.env import Profile, get_profile
+from lesson_utils.progress import busy
 
 DEFAULT_MODEL = "facebook/opt-125m"
 
@@ -137,7 +138,8 @@ def load_model(
         why = "the ci profile never downloads; a tiny random OPT lets the course run in minutes."
         loaded = _random_model(tiny_opt_config(), seed, "random weights, tiny OPT (ci profile)", why=why)
     else:
-        loaded = _load_from_hub_or_random(name, seed)
+        with busy(f"loading {name} (or building it with random weights)"):
+            loaded = _load_from_hub_or_random(name, seed)
     loaded.model.to(device=profile.device, dtype=profile.dtype).eval()
     return loaded
 

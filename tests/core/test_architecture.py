@@ -50,7 +50,7 @@ def layer_of(module: str) -> str:
     return parts[1] if len(parts) > 1 else ""
 
 
-BASE = {"types", "env", "device_discipline", "host_copy", "state"}  # the ground floor anyone may stand on
+BASE = {"types", "env", "device_discipline", "host_copy", "state", "progress"}  # the ground floor anyone may stand on
 ALLOWED = {  # layer -> the layers it may import (besides itself and BASE)
     "types": set(),
     "memory": set(),

@@ -209,3 +209,34 @@ def test_the_setup_cell_makes_jupyterlab_break_printed_lines_between_words(monke
     monkeypatch.setenv("COURSE_HEADLESS", "1")
     shown.clear()
     assert not env.show_first_widget(env.get_profile()) and shown == []
+
+
+def test_busy_keeps_a_bar_moving_while_one_long_call_runs(monkeypatch):
+    """A single call of seconds (a model load, a checker's engine runs) shows a clock that moves, then closes."""
+    import time
+
+    import tqdm.auto
+
+    from lesson_utils.progress import busy
+
+    events = []
+
+    class FakeBar:
+        def __init__(self, **kw):
+            events.append(("open", kw["desc"]))
+
+        def refresh(self):
+            events.append("refresh")
+
+        def close(self):
+            events.append("close")
+
+    monkeypatch.setattr(tqdm.auto, "tqdm", FakeBar)
+    with busy("loading a model", interval_s=0.02):
+        time.sleep(0.2)
+    assert events[0] == ("open", "loading a model") and events[-1] == "close"
+    assert events.count("refresh") >= 3
+    events.clear()
+    with busy("nothing", show=False):
+        pass
+    assert events == []

@@ -68,6 +68,7 @@ def _kinds(w):
         ),
         "int8 kernels": lambda: Engine(w, Int8PagedKVCache.for_model(w, 40, 4, use_kernels=True)),
         "forks": lambda: Engine(w, PagedKVCache.for_model(w, manager=sharing(14))),
+        "beams": lambda: Engine(w, PagedKVCache.for_model(w, manager=sharing(60))),
     }
 
 
@@ -147,6 +148,8 @@ def _serve(engine, workload, poison_at, poison_prompt, kind):
             _, prompt, n = pending.pop(0)
             if kind == "forks":
                 seqs.append(engine.add_request(prompt, n, n=2, temperature=1.0, seed=len(seqs)))
+            elif kind == "beams":
+                seqs.append(engine.add_beam_search(prompt, 2, n))
             else:
                 seqs.append(engine.add_request(prompt, n))
         if poison_prompt is not None and bad is None and step >= poison_at:
@@ -166,6 +169,8 @@ def _serve(engine, workload, poison_at, poison_prompt, kind):
         assert step < 400
     if poison_prompt is not None:
         assert refused is not None, "the poisoned request was served without an error"
+    if kind == "beams":
+        return [group.best.output_ids for group in seqs]
     return [[s.output_ids for s in seq.samples] for seq in seqs]
 
 
