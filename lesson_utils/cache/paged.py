@@ -177,33 +177,23 @@ class PagedKVCache:
     # buffer: gather on the device (pack_blocks, lesson 09's packing too), one asynchronous copy, scatter on the
     # other side. Per layer (or per block) copies through pageable memory would each wait for the GPU and pay
     # PCIe's fixed cost again.
-    def _host_tensors(self, space) -> list[torch.Tensor]:
-        """The swap space's host tensors, one per kind of per-slot data, checked against this cache's kinds."""
-        kinds = self.slot_tensors
-        if space.host is None or len(space.host) != len(kinds):
-            have = "none" if space.host is None else f"{len(space.host)} kind(s)"
-            raise ValueError(
-                f"the swap space holds host tensors for {have}, but this cache keeps {len(kinds)} kind(s) of "
-                f"per-slot data ({', '.join(k.name for k in kinds)}): attach it to this cache "
-                "(space.attach_tensors([kind.k for kind in cache.slot_tensors])), as the Engine does"
-            )
-        return space.host
-
-    def swap_out(self, copies: list[tuple[int, int]], space) -> None:
-        """Copy ``(gpu, cpu)`` blocks into the swap space's CPU tensors (lesson 06), every kind of per-slot data:
-        one device-to-host copy and one wait per kind (the host must not read the staging buffer before the data
-        has landed)."""
+    def swap_out(self, copies: list[tuple[int, int]], host) -> None:
+        """Copy ``(gpu, cpu)`` blocks into ``host`` (lesson 06: a :class:`~lesson_utils.cache.host_blocks.HostBlocks`),
+        every kind of per-slot data: one device-to-host copy and one wait per kind (the host must not read the
+        staging buffer before the data has landed)."""
         if copies:
-            for kind, host in zip(self.slot_tensors, self._host_tensors(space)):
-                swap_out_blocks(kind.k, kind.v, copies, host)
+            host.check_kinds(self.slot_tensors)
+            for kind, tensor in zip(self.slot_tensors, host.tensors):
+                swap_out_blocks(kind.k, kind.v, copies, tensor)
 
-    def swap_in(self, copies: list[tuple[int, int]], space) -> None:
-        """Copy ``(cpu, gpu)`` blocks back from the swap space (lesson 06), every kind: one host-to-device copy
-        from pinned memory per kind, queued on the GPU's stream; nothing waits (PyTorch keeps the pinned buffer
-        alive until it is read)."""
+    def swap_in(self, copies: list[tuple[int, int]], host) -> None:
+        """Copy ``(cpu, gpu)`` blocks back from ``host`` (lesson 06), every kind: one host-to-device copy from pinned
+        memory per kind, queued on the GPU's stream; nothing waits (PyTorch keeps the pinned buffer alive until it
+        is read)."""
         if copies:
-            for kind, host in zip(self.slot_tensors, self._host_tensors(space)):
-                swap_in_blocks(kind.k, kind.v, copies, host)
+            host.check_kinds(self.slot_tensors)
+            for kind, tensor in zip(self.slot_tensors, host.tensors):
+                swap_in_blocks(kind.k, kind.v, copies, tensor)
 
     def copy_block(self, src: int, dst: int) -> None:
         """Copy one block's contents, every kind and layer (copy-on-write's data movement)."""

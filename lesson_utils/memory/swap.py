@@ -4,9 +4,11 @@ When the GPU runs out of blocks, a running sequence can be *preempted* without l
 are copied to a bounded **swap space** in CPU memory and freed on the GPU; later they are copied back into
 whatever GPU blocks are free then - the block table makes their new addresses irrelevant.
 
-:class:`SwapSpace` is the CPU side: a pool of ``num_blocks`` CPU blocks (reference-counted, so blocks that
-several swapped sequences share - forked samples - are swapped out once) and, for real runs, the CPU tensors
-(pinned memory on CUDA, for fast asynchronous copies). It works with both lesson 03's
+:class:`SwapSpace` is the CPU side's bookkeeping: a pool of ``num_blocks`` CPU block ids (reference-counted, so
+blocks that several swapped sequences share - forked samples - are swapped out once) and each swapped sequence's CPU
+table; swap-out and swap-in return the ``(gpu, cpu)`` / ``(cpu, gpu)`` copies to make. Block ids only: the data lives
+in the cache layer's :class:`~lesson_utils.cache.host_blocks.HostBlocks`, which the model runner copies into and out
+of (vLLM v0's block manager and ``CacheEngine``). It works with both lesson 03's
 :class:`~lesson_utils.memory.block_manager.BlockManager` and lesson 05's sharing manager.
 
 Invariants: a swapped sequence holds no GPU block and ``cpu_tables[seq]`` CPU blocks; a CPU block's count
@@ -17,9 +19,6 @@ from __future__ import annotations
 
 from typing import Callable
 
-import torch
-
-from lesson_utils.host_copy import wants_pinned
 from lesson_utils.memory.block_pool import BlockPool
 from lesson_utils.memory.block_table import BlockTable
 from lesson_utils.memory.snapshot import BlockSnapshot
@@ -56,38 +55,8 @@ class SwapSpace:
         if num_blocks == 0:
             self.pool.allocate()  # a zero-block swap space: its only block is never available
         self.cpu_tables: dict[int, BlockTable] = {}
-        # one host tensor per kind of per-slot data the cache keeps (K/V values; an int8 cache's scales too), each
-        # [2 (K, V), layers, num_blocks, block_size, ...]: attach_tensors makes them
-        self.host: list[torch.Tensor] | None = None
         self._mapping = mapping_fn
         self.blocks_out = self.blocks_in = 0
-
-    def attach_tensors(self, like: list) -> None:
-        """Allocate CPU blocks shaped like the GPU cache's, host memory on purpose (pinned when the cache is on
-        CUDA, so copies to and from it can run asynchronously): for each kind of per-slot data the cache keeps,
-        one tensor for K and V of every layer, so a swap of several blocks is one gather and one copy each way per
-        kind. ``like`` is the cache's per-layer K tensors (``cache.k_cache``: values only), or one such list per
-        kind (``[kind.k for kind in cache.slot_tensors]``: what the Engine passes, scales included)."""
-        if isinstance(like, (list, tuple)) and like and all(isinstance(t, torch.Tensor) for t in like):
-            like = [like]
-        if (
-            not isinstance(like, (list, tuple))
-            or not like
-            or not all(
-                isinstance(layers, (list, tuple)) and layers and all(isinstance(t, torch.Tensor) for t in layers)
-                for layers in like
-            )
-        ):
-            raise TypeError(
-                "attach_tensors takes the cache's per-layer K tensors (cache.k_cache), or one such list per kind "
-                "of per-slot data ([kind.k for kind in cache.slot_tensors])"
-            )
-        pin = wants_pinned(like[0][0].device)
-        self.host = [
-            torch.zeros((2, len(layers), self.num_blocks) + tuple(layers[0].shape[1:]), dtype=layers[0].dtype,
-                        pin_memory=pin)
-            for layers in like
-        ]  # fmt: skip
 
     def snapshot(self) -> BlockSnapshot:
         """The CPU tables and blocks now, to put back if the step under way is refused; names the CPU blocks the
@@ -98,16 +67,6 @@ class SwapSpace:
             {},
             lambda: ({sid: t.blocks for sid, t in self.cpu_tables.items()}, {}),
         )
-
-    def save_blocks(self, blocks: list[int]) -> list[torch.Tensor]:
-        """A copy of CPU ``blocks``, every kind (a swap-out about to overwrite them)."""
-        index = torch.tensor(blocks, dtype=torch.long)
-        return [h[:, :, index].clone() for h in self.host or []]
-
-    def restore_blocks(self, blocks: list[int], saved: list[torch.Tensor]) -> None:
-        index = torch.tensor(blocks, dtype=torch.long)
-        for h, copy in zip(self.host or [], saved, strict=True):
-            h[:, :, index] = copy
 
     @property
     def num_free(self) -> int:

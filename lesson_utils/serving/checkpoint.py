@@ -27,7 +27,7 @@ from lesson_utils.state import Captured, capture
 
 @dataclass
 class _Saved:
-    where: object  # the cache (GPU blocks) or the swap space (CPU blocks): both have save_blocks / restore_blocks
+    where: object  # the cache (GPU blocks) or its host blocks (CPU): both have save_blocks / restore_blocks
     blocks: list[int]
     data: list[torch.Tensor]
 
@@ -40,12 +40,12 @@ class StepCheckpoint:
     memory: object  # the manager's snapshot (lesson_utils.memory.snapshot.MemorySnapshot)
     swap: object | None  # the swap space's snapshot, where there is one
     cache: object
-    swap_space: object | None
+    host_blocks: object | None  # the swap space's data (lesson_utils.cache.host_blocks.HostBlocks)
     generators: list[tuple[torch.Generator, torch.Tensor]]
     saved: list[_Saved] = field(default_factory=list)
 
     @classmethod
-    def take(cls, scheduler, cache) -> "StepCheckpoint":
+    def take(cls, scheduler, cache, host_blocks=None) -> "StepCheckpoint":
         seqs: dict[int, object] = {}
         groups: dict[int, object] = {}
         for seq in chain(scheduler.waiting, scheduler.running, scheduler.swapped):
@@ -59,7 +59,7 @@ class StepCheckpoint:
             scheduler.manager.snapshot(),
             space.snapshot() if space is not None else None,
             cache,
-            space,
+            host_blocks,
             [(s.generator, s.generator.get_state()) for s in seqs.values() if s.generator is not None],
         )
 
@@ -67,7 +67,9 @@ class StepCheckpoint:
         """Before the step writes: copy aside the blocks it has handed out that held data at the checkpoint.
         Called by the runner before its block copies and before its forward pass (twice is harmless)."""
         done = {(id(s.where), b) for s in self.saved for b in s.blocks}
-        sides = [(self.cache, self.memory)] + ([(self.swap_space, self.swap)] if self.swap is not None else [])
+        sides = [(self.cache, self.memory)]
+        if self.swap is not None and self.host_blocks is not None:
+            sides.append((self.host_blocks, self.swap))
         for where, snap in sides:
             blocks = [b for b in snap.blocks_to_protect() if (id(where), b) not in done]
             if blocks:

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from lesson_utils.cache.host_blocks import HostBlocks
 from lesson_utils.model.opt_forward import OPTWeights
 from lesson_utils.serving.beam_search import BeamGroup
 from lesson_utils.serving.checkpoint import StepCheckpoint
@@ -116,8 +117,10 @@ class Engine:
     stats: list[StepStats] = field(default_factory=list)
 
     def __post_init__(self):
-        if self.swap_space is not None and self.swap_space.host is None:
-            self.swap_space.attach_tensors([kind.k for kind in self.cache.slot_tensors])
+        # the swap space's data side: CPU copies of every kind the cache keeps per slot (the swap space keeps ids)
+        self.host_blocks = (
+            HostBlocks.for_cache(self.cache, self.swap_space.num_blocks) if self.swap_space is not None else None
+        )
         self.scheduler = FCFSScheduler(
             self.cache.manager,
             max_num_seqs=self.max_num_seqs,
@@ -127,7 +130,7 @@ class Engine:
             chunked=self.chunked_prefill,
             **self.scheduler_kw,
         )
-        self.runner = ModelRunner(self.w, self.cache, self.swap_space)
+        self.runner = ModelRunner(self.w, self.cache, self.host_blocks)
         self._step = 0
 
     @property
@@ -213,7 +216,7 @@ class Engine:
         step (:class:`~lesson_utils.serving.checkpoint.StepCheckpoint`) and the error is raised; abort the
         sequence it names and the others are served as they would have been without it."""
         t0 = time.perf_counter()
-        checkpoint = StepCheckpoint.take(self.scheduler, self.cache)
+        checkpoint = StepCheckpoint.take(self.scheduler, self.cache, self.host_blocks)
         self.runner.before_writes = checkpoint.protect
         try:
             result = self.step_fn(self.scheduler, self.runner, self._step)

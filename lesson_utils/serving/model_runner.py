@@ -6,6 +6,7 @@ from typing import Callable
 
 import torch
 
+from lesson_utils.cache.host_blocks import HostBlocks
 from lesson_utils.cache.seam import StepBatch
 from lesson_utils.host_copy import to_device
 from lesson_utils.model.opt_forward import OPTWeights, forward
@@ -19,8 +20,8 @@ class ModelRunner:
     sequences whose tokens are now all computed. It changes no sequence: the scheduler's ``update_from_output``
     advances the counts and picks the tokens."""
 
-    def __init__(self, w: OPTWeights, cache, swap_space=None):
-        self.w, self.cache, self.swap_space = w, cache, swap_space
+    def __init__(self, w: OPTWeights, cache, host_blocks: HostBlocks | None = None):
+        self.w, self.cache, self.host_blocks = w, cache, host_blocks  # host_blocks: the swap space's data
         # the engine's step checkpoint (StepCheckpoint.protect) while a step runs: called before anything is written
         self.before_writes: Callable[[], None] | None = None
 
@@ -42,8 +43,8 @@ class ModelRunner:
         if self.before_writes is not None:
             self.before_writes()
         if plan.swap_in or plan.swap_out:
-            self.cache.swap_in(plan.swap_in, self.swap_space)
-            self.cache.swap_out(plan.swap_out, self.swap_space)
+            self.cache.swap_in(plan.swap_in, self.host_blocks)
+            self.cache.swap_out(plan.swap_out, self.host_blocks)
         for src, dst in plan.copies:
             self.cache.copy_block(src, dst)
 

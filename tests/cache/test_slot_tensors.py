@@ -1,6 +1,6 @@
 """Everything a cache keeps per slot travels with its blocks, on every path (issue: the int8 hand-over dropped its
 scales). Each paged cache names its per-slot tensors once (``cache.slot_tensors``); this file enumerates the cache
-kinds and the paths that move blocks - copy-on-write, swap out and in, a refused step's save and restore, and the
+kinds and the paths that move blocks - copy-on-write, swap out and in (through the cache layer's HostBlocks), a refused step's save and restore, and the
 hand-over's pack / unpack - and checks every kind of data arrives. A guard test fails when a cache holds a
 per-block tensor that ``slot_tensors`` does not name, so a future cache cannot be forgotten by any path."""
 
@@ -9,12 +9,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from lesson_utils.cache.host_blocks import HostBlocks
 from lesson_utils.cache.int8_paged import Int8PagedKVCache
 from lesson_utils.cache.paged import PagedKVCache
 from lesson_utils.cache.triton_paged import TritonPagedKVCache, UnifiedTritonKVCache
 from lesson_utils.disagg.handover import Prefilled, hand_over, prefill_request, receive
 from lesson_utils.memory.block_manager import BlockManager
-from lesson_utils.memory.swap import SwapSpace
 from lesson_utils.serving.engine import Engine
 from lesson_utils.serving.model_runner import ModelRunner
 from lesson_utils.types import Request
@@ -84,8 +84,7 @@ def test_copy_on_write_moves_every_kind(kind):
 @pytest.mark.parametrize("kind", CACHES)
 def test_swap_out_and_in_moves_every_kind(kind):
     cache = _filled(kind)
-    space = SwapSpace(4)
-    space.attach_tensors([k.k for k in cache.slot_tensors])
+    space = HostBlocks.for_cache(cache, 4)
     want = _blocks(cache, [1, 2])
     cache.swap_out([(1, 3), (2, 0)], space)
     for k in cache.slot_tensors:
@@ -95,12 +94,11 @@ def test_swap_out_and_in_moves_every_kind(kind):
     assert _same(_blocks(cache, [5, 7]), want)
 
 
-def test_a_swap_space_attached_to_values_only_is_refused_by_an_int8_cache():
+def test_host_blocks_made_for_another_kind_of_cache_are_refused():
     cache = _filled("int8")
-    space = SwapSpace(4)
-    space.attach_tensors(cache.k_cache)  # lesson 06's call: values only
-    with pytest.raises(ValueError, match=r"1 kind\(s\), but this cache keeps 2 kind\(s\) .*K/V, scales"):
-        cache.swap_out([(1, 3)], space)
+    fp_host = HostBlocks.for_cache(_filled("paged"), 4)  # values only
+    with pytest.raises(ValueError, match="these host blocks hold K/V per slot, but the cache keeps K/V, scales"):
+        cache.swap_out([(1, 3)], fp_host)
 
 
 @pytest.mark.parametrize("kind", CACHES)

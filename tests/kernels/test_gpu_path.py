@@ -23,6 +23,7 @@ from lesson_utils import benchmark
 from lesson_utils import device_discipline as dd
 from lesson_utils.cache import attention, paged
 from lesson_utils.cache import contiguous as contiguous_cache
+from lesson_utils.cache.host_blocks import HostBlocks
 from lesson_utils.cache.paged import PagedKVCache
 from lesson_utils.checks import lesson01, lesson03, lesson04
 from lesson_utils.device_discipline import DEVICE, DeviceMismatch, discipline
@@ -266,8 +267,7 @@ def test_swaps_make_one_copy_each_way_and_restore_every_block(on_device):
     model, w = on_device
     with discipline() as mode:
         cache = PagedKVCache.for_model(w, num_blocks=8, block_size=4)
-        space = SwapSpace(6)
-        space.attach_tensors(cache.k_cache)
+        space = HostBlocks.for_cache(cache, 6)
         for layer in range(w.num_layers):
             cache.k_cache[layer].copy_(torch.randn(cache.k_cache[layer].shape).to(DEVICE))
             cache.v_cache[layer].copy_(torch.randn(cache.v_cache[layer].shape).to(DEVICE))

@@ -128,7 +128,7 @@ def kv_contents(engine) -> dict:
     space = engine.swap_space
     if space is not None:
         for sid, table in space.cpu_tables.items():
-            for i, host in enumerate(space.host):
+            for i, host in enumerate(engine.host_blocks.tensors):
                 out[("cpu", sid, i)] = host[:, :, table.blocks].clone()
     return out
 
