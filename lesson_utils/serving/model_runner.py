@@ -17,8 +17,8 @@ from lesson_utils.types import Sequence
 class ModelRunner:
     """Makes a plan's block copies in the cache, runs the forward pass, and hands back what it computed
     (:class:`~lesson_utils.serving.output.RunnerOutput`): tokens computed per sequence, and the logits rows of the
-    sequences whose tokens are now all computed. It changes no sequence: the scheduler's ``update_from_output``
-    advances the counts and picks the tokens."""
+    sequences the plan says sample (``plan.sampling``). It changes no sequence: the scheduler's
+    ``update_from_output`` advances the counts and picks the tokens."""
 
     def __init__(self, w: OPTWeights, cache, host_blocks: HostBlocks | None = None):
         self.w, self.cache, self.host_blocks = w, cache, host_blocks  # host_blocks: the swap space's data
@@ -29,13 +29,12 @@ class ModelRunner:
         self.apply(plan)
         seqs, counts = plan.scheduled, plan.tokens_to_feed()
         if not seqs:
-            return RunnerOutput([], [], None)
+            return RunnerOutput([], None)
         logits = self.logits(seqs, counts)
-        # a sequence gets a token once all its tokens are computed (a prompt chunk that stops short does not)
-        ready = [i for i, (s, n) in enumerate(zip(seqs, counts)) if s.kv_len + n == len(s.token_ids)]
+        ready = plan.sampling  # the scheduler decided who samples (a prompt chunk that stops short does not)
         if len(ready) < len(seqs):
             logits = logits[to_device(ready, torch.long, logits.device)] if ready else logits[:0]
-        return RunnerOutput(counts, ready, logits)
+        return RunnerOutput(counts, logits)
 
     def apply(self, plan: StepPlan) -> None:
         """The plan's block copies, before the forward pass: swap-ins, swap-outs, then copy-on-write copies

@@ -3,8 +3,7 @@
 * :class:`StepPlan` - the scheduler's decisions, handed to the runner: who runs and how many tokens each feeds,
   and the block copies to make first;
 * :class:`RunnerOutput` - the runner's result, handed back to the scheduler's ``update_from_output``: how many
-  tokens it computed per sequence, which sequences now have all their tokens computed (they get a token), and
-  the logits rows to choose those tokens from.
+  tokens it computed per sequence, and the logits rows of the sequences the plan says sample (``plan.sampling``).
 
 A token is born in one place: ``FCFSScheduler.update_from_output`` samples it from the runner's logits and appends
 it; the runner only computes.
@@ -32,6 +31,11 @@ class StepPlan:
     swap_out: list[tuple[int, int]] = field(default_factory=list)  # (gpu, cpu) copies, made next
     copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst) in the GPU cache, last
     prefill_tokens: int = 0  # prompt tokens among num_tokens (admissions, recomputes, prompt chunks)
+    # THE decision of who samples, made once by the scheduler: indices into scheduled of the sequences whose
+    # tokens are all computed after this step (a prompt chunk that stops short does not sample), and how many
+    # tokens each may produce (one; a sequence verifying k drafted tokens would produce up to k + 1)
+    sampling: list[int] = field(default_factory=list)
+    sample_counts: list[int] = field(default_factory=list)
 
     def tokens_to_feed(self) -> list[int]:
         """How many tokens each scheduled sequence feeds this step."""
@@ -43,5 +47,6 @@ class RunnerOutput:
     """What the runner computed for a plan (``runner.execute(plan)``)."""
 
     num_computed: list[int]  # per plan.scheduled: tokens whose K/V this step computed
-    sampling: list[int]  # indices into plan.scheduled: sequences whose tokens are now all computed (a token is due)
-    logits: torch.Tensor | None  # [len(sampling), vocab]: their rows, in that order; None from the accounting runner
+    logits: (
+        torch.Tensor | None
+    )  # [len(plan.sampling), vocab]: their rows, in that order; None from the accounting runner

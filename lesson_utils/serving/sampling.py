@@ -1,7 +1,8 @@
 """Choosing a sequence's next token from its logits: greedy (argmax) or sampled with its own generator.
 
-Model-free: torch on a logits tensor. The model runner calls :func:`next_tokens` for a whole step; the scheduler
-calls :func:`sample` when a forked sample draws its first token from its parent's logits.
+Model-free: torch on a logits tensor. The scheduler's ``update_from_output`` calls :func:`next_tokens` once a step,
+for every row the plan says samples and every new parallel sample (its parent's row); lesson 09's prefill side
+calls it for the one request it prefills.
 """
 
 from __future__ import annotations
@@ -33,8 +34,3 @@ def next_tokens(seqs: list[Sequence], logits: torch.Tensor) -> list[int]:
         for i, p in zip(sampled, probs):
             tokens[i] = int(torch.multinomial(p, 1, generator=seqs[i].generator))
     return tokens
-
-
-def sample(seq: Sequence, logits: torch.Tensor) -> int:
-    """One sequence's next token from its logits row."""
-    return next_tokens([seq], logits[None])[0]

@@ -18,6 +18,7 @@ from typing import Callable
 
 import torch
 
+from lesson_utils.host_copy import to_device
 from lesson_utils.serving import sampling
 from lesson_utils.serving.forks import fork_samples
 from lesson_utils.serving.output import RunnerOutput, StepPlan
@@ -198,6 +199,7 @@ class FCFSScheduler:
         preempted = self._make_room([s for s, c in zip(seqs, chunks) if c.end == s.len], {})  # {gpu: cpu} swap-outs
         running = {id(r) for r in self.running}
         kept = [(s, c) for s, c in zip(seqs, chunks) if id(s) in running]
+        sampling = [i for i, (s, c) in enumerate(kept) if c.end == s.len]  # all its tokens computed: a token is due
         return StepPlan(
             step,
             [s for s, _ in kept],
@@ -208,6 +210,8 @@ class FCFSScheduler:
             swap_out,
             self.manager.pop_copies(),
             sum(c.end - c.start for s, c in kept if not (c.end - c.start == 1 and s.num_generated)),
+            sampling,
+            [1] * len(sampling),
         )
 
     def _swap_in(self, step: int, moved: dict[int, int]) -> list[tuple[int, int]]:
@@ -307,28 +311,35 @@ class FCFSScheduler:
     def update_from_output(self, plan: StepPlan, output: RunnerOutput) -> list[Sequence]:
         """Settle the step with what the runner computed; returns the sequences that finished.
 
-        Every scheduled sequence's computed count advances; each sequence whose tokens are all computed gets its
-        next token, sampled here from its logits row (beams: their group chooses); full computed blocks enter the
-        prefix cache (here, before a finished sequence frees them); a parent that has just prefilled forks its
-        parallel samples; beam groups keep their best continuations; finished sequences free their memory."""
+        Every scheduled sequence's computed count advances; full computed blocks enter the prefix cache (here, before
+        a finished sequence frees them); a parent that has just prefilled forks its parallel samples (sharing its
+        blocks); then ONE sampling call picks the next token of every sequence the plan says samples and of every
+        new sample (from its parent's row), and appends them - beams excepted: their group chooses, keeping its
+        best continuations; finished sequences free their memory."""
         for seq, n in zip(plan.scheduled, output.num_computed):
             seq.kv_len += n
-        due = [plan.scheduled[i] for i in output.sampling]
-        tokens = [None] * len(due) if output.logits is None else sampling.next_tokens(due, output.logits)
-        rows = {  # the logits rows the scheduler still needs: fork parents' and beams' (None: a simulation)
-            id(s): (None if output.logits is None else output.logits[j])
-            for j, s in enumerate(due)
-            if s.pending_forks or s.beam is not None
+        due = [plan.scheduled[i] for i in plan.sampling]
+        for seq in plan.scheduled:
+            self.manager.cache_computed(seq)
+        children, parent_rows = [], []
+        for j, seq in enumerate(due):
+            if seq.pending_forks:
+                kids = self._fork(seq)
+                children += kids
+                parent_rows += [j] * len(kids)
+        logits = output.logits
+        if logits is not None and children:
+            logits = torch.cat([logits, logits[to_device(parent_rows, torch.long, logits.device)]])
+        sampled = due + children
+        tokens = [None] * len(sampled) if logits is None else sampling.next_tokens(sampled, logits)
+        rows = {  # the beams' logits rows: their group chooses (None: a simulation)
+            id(s): (None if logits is None else logits[j]) for j, s in enumerate(due) if s.beam is not None
         }
-        for seq, token in zip(due, tokens):
+        for seq, token in zip(sampled, tokens):
             if seq.beam is None:
                 seq.append_token(token, plan.step)
         if self.observe is not None:
             self.observe(plan)
-        for seq in plan.scheduled:
-            self.manager.cache_computed(seq)
-        for seq in [s for s in self.running if s.pending_forks and id(s) in rows]:
-            self._fork_samples(seq, rows[id(seq)])
         for group in list({id(s.beam): s.beam for s in self.running if s.beam is not None}.values()):
             if all(id(b) in rows for b in group.beams):
                 group.advance([rows[id(b)] for b in group.beams], plan.step, self.manager, self.new_seq_id)
@@ -345,7 +356,9 @@ class FCFSScheduler:
             group.best = max(zip(group.beams, group.scores), key=lambda b: b[1])[0]  # max keeps the first of equals
         return done
 
-    def _fork_samples(self, parent: Sequence, logits: torch.Tensor | None) -> None:
-        """Parallel sampling, after the parent's prefill: its n - 1 siblings join the running batch."""
-        children = fork_samples(parent, logits, self.manager, self.new_seq_id)
+    def _fork(self, parent: Sequence) -> list[Sequence]:
+        """Parallel sampling, after the parent's prefill: its n - 1 siblings share its blocks and join the running
+        batch; each draws its first token in the step's one sampling call."""
+        children = fork_samples(parent, self.manager, self.new_seq_id)
         self.running += children
+        return children

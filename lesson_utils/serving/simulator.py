@@ -35,12 +35,11 @@ KINDS = tuple(SlotKind)  # the breakdown's keys, in memory-map order
 class AccountingRunner:
     """Stands in for the model: each scheduled sequence "computes" the tokens the plan gives it (the scheduler has
     already made room for them). There is no K/V, so the plan's block copies cost nothing, and no logits: the
-    scheduler's update appends a token (None: a simulation knows lengths, not ids) to every sequence that is due."""
+    scheduler's update appends a token (None: a simulation knows lengths, not ids) to every sequence the plan says
+    samples."""
 
     def execute(self, plan: StepPlan) -> RunnerOutput:
-        counts = plan.tokens_to_feed()
-        due = [i for i, (s, n) in enumerate(zip(plan.scheduled, counts)) if s.kv_len + n == s.len]
-        return RunnerOutput(counts, due, None)
+        return RunnerOutput(plan.tokens_to_feed(), None)
 
 
 @dataclass

@@ -259,9 +259,10 @@ class CheckedScheduler(FCFSScheduler):
         seq.pending_forks, seq.samples = n - 1, [seq]  # the prefill (the simulator's sequences ask for none)
         super().add(seq)
 
-    def _fork_samples(self, parent, logits):
-        super()._fork_samples(parent, logits)
-        self.children += [c.seq_id for c in parent.samples[1:]]
+    def _fork(self, parent):
+        children = super()._fork(parent)
+        self.children += [c.seq_id for c in children]
+        return children
 
     def schedule(self, step):
         swapped, waiting = list(self.swapped), list(self.waiting)
