@@ -77,7 +77,7 @@ def beam_search_saving(requests: list[Request], width: int, block_size: int = 16
                     new.append(parent)
             for i, b in enumerate(beams):
                 if i not in used:
-                    mgr.free(b)
+                    mgr.free(b.seq_id)
             for b in new:
                 b.num_generated += 1
             beams = new

@@ -195,8 +195,8 @@ class MemoryManager(Protocol):
     def append_slot(self, seq: Sequence) -> None:
         """``seq`` is about to grow by one token: make sure that token has a slot."""
 
-    def free(self, seq: Sequence) -> None:
-        """``seq`` finished: take all of its memory back."""
+    def free(self, seq_id: int):
+        """Sequence ``seq_id`` finished, was aborted or preempted: take all of its memory back (THE release)."""
 
     def block_is_free(self, block_id: int) -> bool:
         """(Block managers) Whether ``block_id`` is free now (a swap's moves forget blocks that were freed)."""

@@ -240,4 +240,4 @@ class PagedKVCache:
         )
 
     def free(self, seq_id: int) -> None:
-        self.manager.free_seq(seq_id)
+        self.manager.free(seq_id)

@@ -68,7 +68,7 @@ def finishes_at_once(prefilled: Prefilled, eos_token_id: int | None) -> bool:
 
 def prefill_request(runner, manager, request: Request) -> Prefilled:
     """Prefill side: blocks for the prompt, one forward pass over it, its first token (greedy). The blocks stay
-    allocated until the caller frees the request (``manager.free_seq``) once they are sent."""
+    allocated until the caller frees the request (``manager.free``) once they are sent."""
     seq = Sequence(request)
     manager.allocate(seq)
     first = sampling.next_tokens([seq], runner.logits([seq]))[0]
@@ -109,7 +109,7 @@ def receive(
         engine.scheduler.add_running(seq)
     except BaseException:
         if req.req_id in manager.tables:
-            manager.free_seq(req.req_id)
+            manager.free(req.req_id)
         else:
             for b in plan.dst_blocks:
                 manager.free_block(b)
@@ -154,4 +154,4 @@ def hand_over(
             adopt_fn=adopt_fn,
         )
     finally:
-        prefill_manager.free_seq(request.req_id)
+        prefill_manager.free(request.req_id)

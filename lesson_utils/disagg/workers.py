@@ -148,7 +148,7 @@ def _warm_up_prefill(cfg: DisaggConfig, runner, manager, cache, results) -> None
     prompt = _warmup_prompt(runner.w, cfg)
     done = prefill_request(runner, manager, Request(-2, 0.0, len(prompt), 1, prompt_ids=prompt))
     _to_host(pack_blocks(cache.k_cache, cache.v_cache, done.blocks))
-    manager.free_seq(-2)
+    manager.free(-2)
     results.put(("warmed", "prefill", time.perf_counter() - t, time.time()))
 
 
@@ -203,7 +203,7 @@ def prefill_worker(rank: int, cfg: DisaggConfig, requests: list[tuple], results,
             send(packed)
             now = time.perf_counter()
             results.put(("sent", req_id, packed.numel() * packed.element_size(), now - t_send, t_send - t_pack))
-            manager.free_seq(req_id)
+            manager.free(req_id)
         send(torch.tensor([END, 0, 0, 0, 0], dtype=torch.int64))
         results.put(("prefill done", manager.num_free_blocks == cfg.num_blocks))
     except Exception as err:  # noqa: BLE001 - reported to the parent, which raises it
@@ -343,7 +343,7 @@ def _free_everything(manager) -> bool:
     if manager is None:
         return True
     for seq_id in list(manager.tables):
-        manager.free_seq(seq_id)
+        manager.free(seq_id)
     return manager.num_free_blocks == manager.num_blocks
 
 

@@ -115,9 +115,6 @@ class BlockManager:
         """Room for token number ``seq.len + 1``; raises ``OutOfBlocks`` (nothing changed) if none is free."""
         self.ensure_capacity(seq.seq_id, seq.len + 1)
 
-    def free(self, seq: Sequence) -> None:
-        self.free_seq(seq.seq_id)
-
     def block_is_free(self, block_id: int) -> bool:
         return self.allocator.is_free(block_id)
 
@@ -160,13 +157,12 @@ class BlockManager:
             table.num_tokens += 1
         return table
 
-    def free_seq(self, seq_id: int) -> None:
-        """Give back every block of ``seq_id``'s table (one reference each, where blocks are shared)."""
-        self.detach(seq_id)
-
-    def detach(self, seq_id: int) -> BlockTable:
-        """Take ``seq_id``'s table out of the manager and give its blocks back (finished, aborted, or swapped out:
-        lesson 06 keeps the returned table's ids to copy the blocks out before anyone writes them again)."""
+    def free(self, seq_id: int) -> BlockTable:
+        """THE release: take ``seq_id``'s table out of the manager and give its blocks back, one reference each
+        (finished, aborted, preempted, or swapped out: lesson 06 keeps the returned table's ids to copy the blocks
+        out before anyone writes them again). Raises ``ValueError`` for a sequence that holds no blocks."""
+        if isinstance(seq_id, bool) or not isinstance(seq_id, int):
+            raise TypeError(f"free takes a sequence id (an int: seq.seq_id), got {type(seq_id).__name__}")
         table = self.tables.pop(seq_id, None)
         if table is None:
             raise ValueError(f"sequence {seq_id} holds no blocks (already freed, or never admitted)")

@@ -115,11 +115,11 @@ class ContiguousReservationManager:
         if seq.len + 1 > self.reserved[seq.seq_id]:
             raise NeverFits(f"request {seq.seq_id} outgrew its reservation of {self.reserved[seq.seq_id]} slots")
 
-    def free(self, seq: Sequence) -> None:
-        if seq.seq_id not in self.start:
-            raise ValueError(f"request {seq.seq_id} holds no reservation (freed twice, or never admitted)")
-        self.allocator.free(self.start.pop(seq.seq_id))
-        del self.reserved[seq.seq_id], self.seqs[seq.seq_id]
+    def free(self, seq_id: int) -> None:
+        if seq_id not in self.start:
+            raise ValueError(f"request {seq_id} holds no reservation (freed twice, or never admitted)")
+        self.allocator.free(self.start.pop(seq_id))
+        del self.reserved[seq_id], self.seqs[seq_id]
 
     def cache_computed(self, seq: Sequence) -> None:
         """Nothing to register: contiguous reservations have no prefix cache."""

@@ -154,7 +154,7 @@ class SharingBlockManager(BlockManager):
         try:
             self.ensure_capacity(seq.seq_id, seq.len)
         except OutOfBlocks:
-            self.free_seq(seq.seq_id)
+            self.free(seq.seq_id)
             raise
         seq.kv_len = len(hits) * self.block_size
         self.prompt_tokens += seq.len

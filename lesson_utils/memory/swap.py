@@ -80,11 +80,11 @@ class SwapSpace:
 
     def swap_out(self, manager, seq_id: int, already: dict[int, int]) -> list[tuple[int, int]]:
         """Move a sequence's table to the CPU; returns the (gpu, cpu) copies to make. Its GPU blocks go back
-        through the manager (``detach``: a block still held by another sequence stays on the GPU for it)."""
+        through the manager (``free``: a block still held by another sequence stays on the GPU for it)."""
         # a block the victim copied-on-write this step is filled only in the forward, after the swap copies:
         # copy its contents from the copy's source (still held by another table) instead
         pending = {dst: src for src, dst in manager.pending_copies()}
-        table = manager.detach(seq_id)
+        table = manager.free(seq_id)
         fresh = len(already)
         cpu_blocks, copies = self._mapping(table.blocks, self.pool.allocate, already)
         copies = [(pending.get(gpu, gpu), cpu) for gpu, cpu in copies]

@@ -69,7 +69,7 @@ class BeamGroup:
                 beams.append((parent, token, score))
         for index, seq in enumerate(self.beams):
             if index not in used:
-                manager.free(seq)
+                manager.free(seq.seq_id)
                 seq.status = SequenceStatus.DROPPED
         for seq, token, _ in beams:
             seq.append_token(token, step)

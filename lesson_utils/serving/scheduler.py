@@ -138,7 +138,7 @@ class FCFSScheduler:
         Raises ``ValueError`` for a sequence this scheduler does not hold (finished, or already cancelled)."""
         if seq.status is SequenceStatus.RUNNING and any(s is seq for s in self.running):
             self.running = [s for s in self.running if s is not seq]
-            self.manager.free(seq)
+            self.manager.free(seq.seq_id)
         elif seq.status is SequenceStatus.WAITING and any(s is seq for s in self.waiting):
             self.waiting = deque(s for s in self.waiting if s is not seq)
         elif seq.status is SequenceStatus.SWAPPED and any(s is seq for s in self.swapped):
@@ -237,7 +237,7 @@ class FCFSScheduler:
         """Give back what this step's admissions took: blocks freed, each sequence back at the head of the queue
         in its old order, with the computed count and admission step it had."""
         for seq in reversed(admitted):
-            self.manager.free(seq)
+            self.manager.free(seq.seq_id)
             seq.kv_len, seq.admitted_step = saved[seq.seq_id]
             seq.status = SequenceStatus.WAITING
             self.running = [s for s in self.running if s is not seq]
@@ -301,7 +301,7 @@ class FCFSScheduler:
                 f"swap space full ({self.swap_space.num_free} of {self.swap_space.num_blocks} CPU blocks free): "
                 f"fell back to recompute"
             )
-        self.manager.free(victim)
+        self.manager.free(victim.seq_id)
         self.reset(victim)
         victim.status = SequenceStatus.WAITING
         self.waiting.appendleft(victim)
@@ -347,7 +347,7 @@ class FCFSScheduler:
                 self.running = [s for s in self.running if s.beam is not group] + group.beams
         done = [s for s in self.running if s.is_finished]
         for seq in done:
-            self.manager.free(seq)
+            self.manager.free(seq.seq_id)
             seq.finished_step, seq.status = plan.step, SequenceStatus.FINISHED
             self.finished.append(seq)
         if done:

@@ -112,7 +112,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         m = self.m
         seq = self.live.pop(data.draw(st.sampled_from(sorted(self.live))))
         blocks, free_before = list(m.tables[seq.seq_id].blocks), m.allocator.num_free
-        m.free(seq)
+        m.free(seq.seq_id)
         assert m.allocator.num_free == free_before + len(blocks)
         assert all(m.allocator.is_free(b) for b in blocks)
         assert seq.seq_id not in m.tables
@@ -123,10 +123,10 @@ class BlockManagerMachine(RuleBasedStateMachine):
         m = self.m
         before = snapshot(m)
         with pytest.raises(ValueError, match="holds no blocks"):
-            m.free(make_seq(10_000 + self.next_id, 3))  # never admitted
+            m.free(make_seq(10_000 + self.next_id, 3).seq_id)  # never admitted
         if self.finished:
             with pytest.raises(ValueError, match="holds no blocks"):
-                m.free(data.draw(st.sampled_from(self.finished)))  # freed twice
+                m.free(data.draw(st.sampled_from(self.finished)).seq_id)  # freed twice
         free_ids = [b for b in range(NUM_BLOCKS) if m.allocator.is_free(b)]
         if free_ids:
             with pytest.raises(ValueError, match="already free"):
@@ -199,7 +199,7 @@ def test_breakdown_adds_up_and_only_last_blocks_waste(block_size):
     assert (kinds == INTERNAL).sum() == br["internal fragmentation"]
     assert (kinds == FREE).sum() == br["free"]
     for sid in range(len(lengths)):
-        m.free_seq(sid)
+        m.free(sid)
     assert m.breakdown()["free"] == m.total_slots
 
 
@@ -226,11 +226,11 @@ def test_freeing_twice_or_allocating_twice_is_an_error():
     m.allocate(seq)
     with pytest.raises(ValueError, match="sequence 5 already holds blocks"):
         m.allocate(seq)
-    m.free(seq)
+    m.free(seq.seq_id)
     with pytest.raises(ValueError, match="sequence 5 holds no blocks"):
-        m.free(seq)
+        m.free(seq.seq_id)
     with pytest.raises(ValueError, match="holds no blocks"):
-        m.free_seq(99)
+        m.free(99)
     assert m.allocator.num_free == 8
 
 
@@ -243,7 +243,7 @@ def test_failed_allocation_is_all_or_nothing():
     with pytest.raises(OutOfBlocks):
         m.allocate(late)
     assert m.allocator.num_free == 3 and set(m.tables) == {0}
-    m.free_seq(0)
+    m.free(0)
     m.allocate(late)  # and the same sequence can be admitted once there is room
     assert len(m.block_table(1)) == 4
 

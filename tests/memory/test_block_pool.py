@@ -170,13 +170,13 @@ def test_the_tail_block_is_evicted_first():
     compute(m, a)
     head, middle, tail = m.tables[0].blocks
     assert set(m.pool.hash_of) == {head, middle, tail}
-    m.free(a)
+    m.free(a.seq_id)
     assert m.pool.num_cached_free == 3
     b = make_seq(1, [7])  # one block, shares nothing
     m.allocate(b)
     assert m.tables[1].blocks == [tail], "the tail block must be reused first"
     assert set(m.pool.hash_of) == {head, middle} and m.pool.evictions == 1
-    m.free(b)
+    m.free(b.seq_id)
     c = make_seq(2, [1, 2, 3, 4, 9])  # the first two blocks are still cached: hit both
     m.allocate(c)
     assert m.tables[2].blocks[:2] == [head, middle] and c.kv_len == 4
@@ -187,17 +187,17 @@ def test_a_freed_cached_block_is_hit_until_it_is_evicted():
     m = SharingBlockManager(4, 2, watermark=0.0)
     compute(m, make_seq(0, [1, 2, 3]))
     first = m.tables[0].blocks[0]
-    m.free_seq(0)
+    m.free(0)
     assert m.pool.is_free(first) and m.pool.hash_of == {first: block_hash(NO_PARENT, [1, 2])}
     again = make_seq(1, [1, 2, 7])
     assert m.can_allocate(again)
     m.allocate(again)
     assert m.tables[1].blocks[0] == first and again.kv_len == 2 and m.pool.ref_count[first] == 1
-    m.free_seq(1)
+    m.free(1)
     filler = make_seq(2, [9] * 7)  # needs all four blocks: the cached one is reused, so evicted
     m.allocate(filler)
     assert first in m.tables[2].blocks and not m.pool.hash_of
-    m.free_seq(2)
+    m.free(2)
     late = make_seq(3, [1, 2, 7])
     m.allocate(late)
     assert late.kv_len == 0

@@ -192,7 +192,7 @@ class SharingMachine(RuleBasedStateMachine):
         return base[:cut] + tail
 
     def _preempt(self, seq: Sequence) -> None:
-        self.m.free(seq)
+        self.m.free(seq.seq_id)
         self.admitted.pop(seq.seq_id, None)
         self.running.pop(seq.seq_id, None)
         seq.kv_len = 0
@@ -314,7 +314,7 @@ class SharingMachine(RuleBasedStateMachine):
         live = {**self.running, **self.admitted}
         seq = live[data.draw(st.sampled_from(sorted(live)), label="finishes")]
         blocks, counts = list(m.tables[seq.seq_id].blocks), list(pool.ref_count)
-        m.free(seq)
+        m.free(seq.seq_id)
         self.running.pop(seq.seq_id, None)
         self.admitted.pop(seq.seq_id, None)
         for b in set(blocks):
@@ -324,7 +324,7 @@ class SharingMachine(RuleBasedStateMachine):
         if released:  # the newest end of the free queue, tail block first: the tail is evicted first
             assert list(self.lru)[-len(released) :] == released
         with pytest.raises(ValueError, match="holds no blocks"):
-            m.free(seq)
+            m.free(seq.seq_id)
 
     # ---- after every step -----------------------------------------------------------------------
     @invariant()

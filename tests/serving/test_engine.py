@@ -66,14 +66,14 @@ def plenty_of_blocks(block_size: int) -> int:
 def spy_on_frees(manager: BlockManager) -> dict[int, tuple[int, int]]:
     """Record (blocks, tokens) of every table at the moment it is freed."""
     seen: dict[int, tuple[int, int]] = {}
-    free_seq = manager.free_seq
+    free_seq = manager.free
 
-    def spy(seq_id: int) -> None:
+    def spy(seq_id: int):
         t = manager.tables[seq_id]
         seen[seq_id] = (len(t.blocks), t.num_tokens)
-        free_seq(seq_id)
+        return free_seq(seq_id)
 
-    manager.free_seq = spy
+    manager.free = spy
     return seen
 
 
