@@ -101,7 +101,7 @@ def block_snapshot(manager, label: str = "") -> dict:
         "label": label,
         "num_blocks": manager.num_blocks,
         "block_size": manager.block_size,
-        "tables": {sid: (list(t.blocks), t.num_tokens) for sid, t in manager.tables.items()},
+        "tables": manager.tables_now(),
         "ref_counts": list(pool.ref_count) if pool is not None else None,
         "cached": set(pool.hash_of) if pool is not None else set(),
     }

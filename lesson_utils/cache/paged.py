@@ -140,7 +140,7 @@ class PagedKVCache:
         step writes (and made shared blocks writable) before the forward pass; a sequence without them is refused."""
         tables = []
         for sid, clen in zip(batch.seq_ids, batch.context_lens):
-            table = self.manager.tables.get(sid)
+            table = self.manager.table_of(sid)
             if table is None or table.num_tokens < clen:
                 have = "no blocks" if table is None else f"slots for {table.num_tokens} tokens"
                 raise ValueError(

@@ -76,7 +76,7 @@ class UnifiedMetadata(AttentionMetadata):
     every sequence's block table padded into one tensor, the query offsets and the context lengths."""
 
     slots_i32: torch.Tensor | None = None
-    tables: torch.Tensor | None = None
+    padded_tables: torch.Tensor | None = None
     query_start: torch.Tensor | None = None
     context_lens: torch.Tensor | None = None
     max_query_len: int = 0
@@ -102,7 +102,7 @@ class UnifiedTritonKVCache(PagedKVCache):
         batch.meta = UnifiedMetadata(
             **vars(batch.meta),
             slots_i32=batch.meta.slots.to(device=device, dtype=torch.int32),
-            tables=to_device([list(t) + [0] * (width - len(t)) for t in tables], torch.int32, device),
+            padded_tables=to_device([list(t) + [0] * (width - len(t)) for t in tables], torch.int32, device),
             query_start=to_device(starts, torch.int32, device),
             context_lens=to_device(batch.context_lens, torch.int32, device),
             max_query_len=max(batch.query_lens, default=0),
@@ -117,7 +117,7 @@ class UnifiedTritonKVCache(PagedKVCache):
             q,
             self.k_cache[layer],
             self.v_cache[layer],
-            meta.tables,
+            meta.padded_tables,
             meta.query_start,
             meta.context_lens,
             meta.max_query_len,

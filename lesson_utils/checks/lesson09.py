@@ -330,11 +330,11 @@ def check_adopt(fn) -> CheckResult:
     got, problem = _run(fn, name, _reference_adopt, "adopting 3 blocks holding 10 tokens", m, 7, given, 10)
     if problem is not None:
         return problem
-    table = m.tables.get(7)
+    table = m.table_of(7)
     if table is None:
         return failed(
             name,
-            "after adopting, sequence 7 has no table in manager.tables: the manager must know it",
+            "after adopting, sequence 7 has no table in the manager (manager.tables[7]): the manager must know it",
             _reference_adopt,
         )
     if not isinstance(got, BlockTable) or got is not table:
@@ -357,7 +357,7 @@ def check_adopt(fn) -> CheckResult:
         m.check_invariants()
     except AssertionError as err:
         return failed(name, f"the manager's invariants broke: {err}", _reference_adopt)
-    other = m.tables[100].blocks[1]  # a block the other request holds
+    other = m.block_table(100)[1]  # a block the other request holds
     refusals = [
         ("adopting sequence 7 again", lambda mm: (mm, 7, [mm.allocate_block()], 2)),
         ("3 blocks for 2 tokens", lambda mm: (mm, 8, [mm.allocate_block() for _ in range(3)], 2)),
@@ -370,13 +370,13 @@ def check_adopt(fn) -> CheckResult:
     for what, make in refusals:
         mm = copy.deepcopy(m)
         args = make(mm)
-        before = ({s: (list(t.blocks), t.num_tokens) for s, t in mm.tables.items()}, mm.num_free_blocks)
+        before = (mm.tables_now(), mm.num_free_blocks)
         try:
             fn(*args)
         except NotImplementedError:
             return not_implemented(name, _reference_adopt)
         except ValueError:
-            after = ({s: (list(t.blocks), t.num_tokens) for s, t in mm.tables.items()}, mm.num_free_blocks)
+            after = (mm.tables_now(), mm.num_free_blocks)
             if after != before:
                 return failed(
                     name,

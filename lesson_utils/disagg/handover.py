@@ -108,7 +108,7 @@ def receive(
         adopt_fn(manager, req.req_id, plan.dst_blocks, req.prompt_len)
         engine.scheduler.add_running(seq)
     except BaseException:
-        if req.req_id in manager.tables:
+        if manager.table_of(req.req_id) is not None:
             manager.free(req.req_id)
         else:
             for b in plan.dst_blocks:

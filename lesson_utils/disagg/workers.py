@@ -342,7 +342,7 @@ def _free_everything(manager) -> bool:
     """After a failure: give back every block; True when all are free."""
     if manager is None:
         return True
-    for seq_id in list(manager.tables):
+    for seq_id in list(manager.tables_now()):
         manager.free(seq_id)
     return manager.num_free_blocks == manager.num_blocks
 

@@ -237,6 +237,15 @@ class BlockManager:
         table = self.tables[seq_id] = BlockTable(self.block_size, blocks, num_tokens)
         return table
 
+    def table_of(self, seq_id: int) -> BlockTable | None:
+        """``seq_id``'s block table, or None when it holds no blocks. A read: blocks change only through this
+        manager's methods (the caches read the table's blocks and token count to build a step's slots)."""
+        return self.tables.get(seq_id)
+
+    def tables_now(self) -> dict[int, tuple[list[int], int]]:
+        """Every table as ``(blocks, tokens)``, copied (for pictures, checkers and a failed worker's clean-up)."""
+        return {sid: (list(t.blocks), t.num_tokens) for sid, t in self.tables.items()}
+
     def block_table(self, seq_id: int) -> list[int]:
         """The physical blocks of ``seq_id``, in order; ``ValueError`` for a sequence that holds none."""
         table = self.tables.get(seq_id)

@@ -293,7 +293,7 @@ def lesson_03_checks_only(manager, seq_id, blocks, n):  # the old spec: no dupli
     [
         (checks_only_the_first_block, "a free block (the second of two) was accepted"),
         (lesson_03_checks_only, "another request holds"),
-        (not_registered, "no table in manager.tables"),
+        (not_registered, "has no table in the manager"),
         (aliases, "needs its own list"),
         (capacity_not_tokens, "not their capacity"),
         (no_checks, "was accepted"),

@@ -112,12 +112,14 @@ def _other_objects(node: ast.AST, attr: str) -> bool:
 
 
 def manager_internals_reached(source: str, where: str = "<source>") -> list[str]:
-    """Every place in ``source`` that reaches into a memory manager: any ``X.allocator``, and any write to
-    ``X.tables`` (an item assigned or deleted, or a mutating call on it)."""
+    """Every place in ``source`` that reaches into a memory manager: any ``X.allocator``, and any ``X.tables`` -
+    read or written (a manager answers ``table_of``, ``block_table`` and ``tables_now`` instead)."""
     found = []
     for node in ast.walk(ast.parse(source)):
         if _other_objects(node, "allocator"):
             found.append(f"{where}:{node.lineno}: reads .allocator")
+        if _other_objects(node, "tables"):
+            found.append(f"{where}:{node.lineno}: reaches .tables")
         targets = []
         if isinstance(node, ast.Assign):
             targets = node.targets
@@ -147,7 +149,8 @@ def test_the_door_rule_can_fail():
     assert manager_internals_reached("m.tables[seq_id] = table") != []
     assert manager_internals_reached("table = m.tables.pop(seq_id)") != []
     assert manager_internals_reached("del m.tables[5]") != []
-    assert manager_internals_reached("self.allocator.free(b); x = m.tables[3].blocks; m.tables.get(2)") == []
+    assert manager_internals_reached("x = m.tables[3].blocks") != []  # a read too: m.block_table(3)
+    assert manager_internals_reached("self.allocator.free(b); x = self.tables[3].blocks; m.table_of(2)") == []
 
 
 def test_the_runtime_package_needs_no_tooling():
