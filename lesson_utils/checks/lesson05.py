@@ -16,16 +16,14 @@ def _pool_with(
     tables = []
     for blocks in tables_blocks:
         for b in blocks:
-            if pool.ref_count[b] == 0:
-                del pool._free_queue[b]
-            pool.ref_count[b] += 1
+            pool.incref(b)
         tables.append(BlockTable(block_size, list(blocks), block_size * len(blocks) - 1))
     return pool, tables
 
 
 def _pool_state(pool: BlockPool) -> tuple:
     """What a lookup must not change: counts, the free queue (and its order), the cached hashes."""
-    return (list(pool.ref_count), list(pool._free_queue), dict(pool.hash_of), dict(pool.tokens_of))
+    return (list(pool.ref_count), pool.free_order(), dict(pool.hash_of), dict(pool.tokens_of))
 
 
 def _call(fn, *args):

@@ -16,21 +16,38 @@ from collections import deque
 from lesson_utils.types import OutOfBlocks
 
 
-class BlockAllocator:
+class BlockIds:
+    """The ids ``0 .. num_blocks - 1`` of a cache's blocks, checked: what lesson 03's allocator and lesson 05's pool
+    share. Each keeps its own free queue; ``num_free`` is theirs, ``num_used`` follows from it."""
+
     def __init__(self, num_blocks: int):
-        if not isinstance(num_blocks, int) or num_blocks < 1:
+        if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 1:
             raise ValueError(f"a KV cache needs at least one block, got {num_blocks!r}")
         self.num_blocks = num_blocks
+
+    @property
+    def num_used(self) -> int:
+        return self.num_blocks - self.num_free
+
+    def _check_id(self, block_id: int) -> None:
+        if not isinstance(block_id, int) or isinstance(block_id, bool):
+            raise TypeError(f"a block id is an int, got {type(block_id).__name__}")
+        if not 0 <= block_id < self.num_blocks:
+            raise ValueError(
+                f"block id {block_id} is out of range: this cache has {self.num_blocks} blocks "
+                f"(0..{self.num_blocks - 1})"
+            )
+
+
+class BlockAllocator(BlockIds):
+    def __init__(self, num_blocks: int):
+        super().__init__(num_blocks)
         self._free_queue: deque[int] = deque(range(num_blocks))
         self._is_free = bytearray([1]) * num_blocks  # O(1) membership test for the free queue
 
     @property
     def num_free(self) -> int:
         return len(self._free_queue)
-
-    @property
-    def num_used(self) -> int:
-        return self.num_blocks - len(self._free_queue)
 
     def is_free(self, block_id: int) -> bool:
         self._check_id(block_id)
@@ -51,12 +68,3 @@ class BlockAllocator:
             raise ValueError(f"block {block_id} is already free (freed twice?)")
         self._is_free[block_id] = 1
         self._free_queue.append(block_id)
-
-    def _check_id(self, block_id: int) -> None:
-        if not isinstance(block_id, int) or isinstance(block_id, bool):
-            raise TypeError(f"a block id is an int, got {type(block_id).__name__}")
-        if not 0 <= block_id < self.num_blocks:
-            raise ValueError(
-                f"block id {block_id} is out of range: this cache has {self.num_blocks} blocks "
-                f"(0..{self.num_blocks - 1})"
-            )

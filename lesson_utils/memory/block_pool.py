@@ -1,6 +1,6 @@
 """Lesson 05: a block pool with reference counts and a prefix cache.
 
-Extends lesson 03's allocator in two ways.
+Does lesson 03's allocator's job (the same block ids, a free queue in FIFO order), with two additions.
 
 **Reference counts.** A block's count equals the number of block tables that hold it. Forking a sequence
 bumps the counts of its blocks instead of copying them; a block returns to the free pool only when its
@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from lesson_utils.memory.block_allocator import BlockAllocator
+from lesson_utils.memory.block_allocator import BlockIds
 from lesson_utils.types import OutOfBlocks
 
 NO_PARENT = None
@@ -36,23 +36,31 @@ def block_hash(parent_hash, tokens) -> int:
     return hash((parent_hash, tuple(int(t) for t in tokens)))
 
 
-class BlockPool(BlockAllocator):
-    """Lesson 03's allocator with reference counts and a prefix cache. Its id checks and free / used counts are
-    the allocator's; its free queue is an ``OrderedDict`` instead of a deque, because a prefix-cache hit revives
-    a free block from the middle of the queue (O(1) there, O(n) in a deque)."""
+class BlockPool(BlockIds):
+    """Lesson 03's allocator's job with reference counts and a prefix cache. It shares the allocator's block ids
+    (:class:`~lesson_utils.memory.block_allocator.BlockIds`: the id checks, ``num_used``), not its free queue:
+    this one is an ``OrderedDict``, because a prefix-cache hit revives a free block from the middle of the queue
+    (O(1) there, O(n) in a deque), and a block is free exactly when its count is 0."""
 
     def __init__(self, num_blocks: int, enable_caching: bool = True):
         super().__init__(num_blocks)
         self.enable_caching = enable_caching
         self.ref_count = [0] * num_blocks
         self._free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # eviction order
-        self._is_free = None  # a block is free exactly when its count is 0 (is_free below)
         self.hash_of: dict[int, int] = {}  # block -> hash (only cached, full blocks)
         self.tokens_of: dict[int, tuple[int, ...]] = {}
         self.block_of: dict[int, int] = {}  # hash -> block
         self.hits = self.lookups = self.evictions = 0
 
     # ---- counts ----------------------------------------------------------------------------------
+    @property
+    def num_free(self) -> int:
+        return len(self._free_queue)
+
+    def free_order(self) -> list[int]:
+        """The free blocks, least recently freed first: the order allocation takes them (and evicts their prefixes)."""
+        return list(self._free_queue)
+
     @property
     def num_cached_free(self) -> int:
         """Free blocks that still hold a findable prefix."""
