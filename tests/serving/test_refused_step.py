@@ -303,6 +303,19 @@ class _FailsOnceEachStep:
         return result
 
 
+def _step_and_retry_once(engine) -> int:
+    """One step; if it is refused, check that it changed nothing (tables, counts and every computed token's data)
+    and run it again. Returns how many times it was refused (0 or 1)."""
+    before, data = fingerprint(engine), kv_contents(engine)
+    try:
+        engine.step()
+        return 0
+    except RuntimeError:
+        assert fingerprint(engine) == before and _same_contents(kv_contents(engine), data)
+        engine.step()
+        return 1
+
+
 PRESSURED = ["recompute", "swap", "prefix cache, short", "int8, swap", "forks"]
 
 
@@ -325,20 +338,9 @@ def test_every_step_refused_once_changes_no_token(poisoned, kind):
         for i, p in enumerate(prompts):
             seqs.append(add(engine, p, i))
             for _ in range(2 if i < 3 else 4):  # arrivals spread over the run; later ones meet a busy cache
-                before, data = fingerprint(engine), kv_contents(engine)
-                try:
-                    engine.step()
-                except RuntimeError:
-                    refusals += 1
-                    assert fingerprint(engine) == before and _same_contents(kv_contents(engine), data)
-                    engine.step()
+                refusals += _step_and_retry_once(engine)
         while engine.scheduler.has_work:
-            before, data = fingerprint(engine), kv_contents(engine)
-            try:
-                engine.step()
-            except RuntimeError:
-                refusals += 1
-                assert fingerprint(engine) == before and _same_contents(kv_contents(engine), data)
+            refusals += _step_and_retry_once(engine)
         runs.append([[s.output_ids for s in seq.samples] for seq in seqs])
         _all_free(engine)
         if failing:
