@@ -195,25 +195,21 @@ class BlockManager:
         """One more table will hold ``block_id`` (lesson 05's managers count references; this one shares nothing)."""
         raise ValueError("this block manager shares nothing: use lesson 05's SharingBlockManager")
 
-    def attach(self, seq_id: int, blocks: list[int], num_tokens: int) -> BlockTable:
-        """Lesson 06, swap-in: give ``seq_id`` back a table of ``blocks``, each already taken for it
-        (:meth:`allocate_block`, or :meth:`share_block` for a block another returning sequence shares)."""
-        if seq_id in self.tables:
-            raise ValueError(f"sequence {seq_id} already holds blocks")
-        if len(blocks) != blocks_needed(num_tokens, self.block_size) or any(self.allocator.is_free(b) for b in blocks):
-            raise ValueError(f"sequence {seq_id}: {len(blocks)} blocks taken for {num_tokens} tokens do not fit")
-        table = self.tables[seq_id] = BlockTable(self.block_size, list(blocks), num_tokens)
-        return table
-
     def _holder_of(self, block_id: int) -> int | None:
         return next((sid for sid, t in self.tables.items() if block_id in t.blocks), None)
 
+    def _taken_for_new_table(self, block_id: int, holders: dict[int, int]) -> bool:
+        """Whether a reference to ``block_id`` was taken for the table about to be installed: here (nothing is
+        shared) the block must be held by no table; lesson 05's manager counts references instead."""
+        return holders.get(block_id, 0) == 0
+
     def adopt(self, seq_id: int, blocks: list[int], num_tokens: int) -> BlockTable:
-        """Lesson 09: give ``seq_id`` a table of ``blocks`` (allocated here by :meth:`allocate_block`, held by no
-        table yet) holding ``num_tokens`` tokens whose K/V were computed elsewhere and copied in. Refuses, with
+        """THE install: give ``seq_id`` a table of ``blocks`` holding ``num_tokens`` tokens whose K/V were written
+        into them from elsewhere - lesson 09's hand-over (blocks from :meth:`allocate_block`) and lesson 06's
+        swap-in (the same, or :meth:`share_block` for a block another returning sequence shares). Refuses, with
         nothing changed: a sequence that holds blocks already, a token count that is not a positive int, a block
-        count that does not match it, a block id twice, a free block, and a block another sequence holds.
-        Reference for exercise 09-3."""
+        count that does not match it, a block id twice, a free block, and a block another sequence holds without
+        a reference taken for this table. Reference for exercise 09-3."""
         if seq_id in self.tables:
             raise ValueError(f"sequence {seq_id} already holds blocks")
         if isinstance(num_tokens, bool) or not isinstance(num_tokens, int):
@@ -228,12 +224,17 @@ class BlockManager:
             )
         if len(set(blocks)) != len(blocks):
             raise ValueError(f"block ids must be distinct: {blocks} names one block twice")
+        holders: dict[int, int] = {}  # block -> tables holding it, counted once
+        for t in self.tables.values():
+            for b in t.blocks:
+                holders[b] = holders.get(b, 0) + 1
         for b in blocks:
             if self.allocator.is_free(b):  # also refuses an id that is no block of this cache
                 raise ValueError(f"block {b} is free: adopted blocks must be allocated first (allocate_block)")
-            holder = self._holder_of(b)
-            if holder is not None:
-                raise ValueError(f"block {b} is held by sequence {holder}: a received request needs blocks of its own")
+            if not self._taken_for_new_table(b, holders):
+                raise ValueError(
+                    f"block {b} is held by sequence {self._holder_of(b)}: a received request needs blocks of its own"
+                )
         table = self.tables[seq_id] = BlockTable(self.block_size, blocks, num_tokens)
         return table
 

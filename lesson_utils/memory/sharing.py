@@ -188,6 +188,9 @@ class SharingBlockManager(BlockManager):
     def share_block(self, block_id: int) -> None:
         self.pool.incref(block_id)
 
+    def _taken_for_new_table(self, block_id: int, holders: dict[int, int]) -> bool:
+        return holders.get(block_id, 0) < self.pool.ref_count[block_id]  # share_block took one for this table
+
     def _hashed_blocks(self) -> dict[int, int]:
         return self.pool.hash_of
 

@@ -123,6 +123,6 @@ class SwapSpace:
                 manager.share_block(gpu)  # another returning sequence brought it back this step
         for cpu in cpu_table.blocks:
             self.pool.decref(cpu)
-        manager.attach(seq_id, gpu_blocks, cpu_table.num_tokens)
+        manager.adopt(seq_id, gpu_blocks, cpu_table.num_tokens)
         self.blocks_in += len(already) - fresh
         return copies
