@@ -442,7 +442,11 @@ def build(root: Path | str = ".", quiet: bool = False) -> list[Path]:
     for path, text in build_files(root).items():
         on_disk = _read_text(path)
         if on_disk != text:
-            if path.parent.name == NOTEBOOKS_DIR and on_disk is not None and holds_learner_work(on_disk, text):
+            if (
+                path.parent.name == NOTEBOOKS_DIR
+                and on_disk is not None
+                and holds_learner_work(on_disk, text, _committed_text(root, path))
+            ):
                 kept.append((path, keep_copy(root, path)))  # a learner's answers are never lost to a rebuild
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_bytes(text.encode("utf-8"))
@@ -484,13 +488,30 @@ def _first_diff(old: str, new: str, label: str, context: int = 3, limit: int = 3
     return "\n".join(diff)
 
 
-def holds_learner_work(on_disk: str, built: str) -> bool:
-    """Whether a student notebook on disk holds a learner's work: outputs, or an exercise stub of the built notebook
-    replaced by something else (an answer)."""
+def holds_learner_work(on_disk: str, built: str, committed: str | None = None) -> bool:
+    """Whether a student notebook on disk holds a learner's work. With git, exactly: the file differs from its
+    committed version (``committed``; notebooks/ is generated, so nobody else edits it - a note, a new cell, an
+    answer beside a kept stub all count). Without git (a downloaded zip): outputs, or an exercise stub of the built
+    notebook replaced by something else (an answer)."""
+    if committed is not None:
+        return on_disk != committed
     if _has_outputs(on_disk):
         return True
     stubs = {line.strip() for line in _code_lines(built) if "raise NotImplementedError(" in line}
     return not stubs <= {line.strip() for line in _code_lines(on_disk)}
+
+
+def _committed_text(root: Path, path: Path) -> str | None:
+    """``path`` as committed at git's HEAD, or None (no git, not a repository, or not committed)."""
+    import subprocess
+
+    try:
+        out = subprocess.run(
+            ["git", "-C", str(root), "show", f"HEAD:{_rel(path, root)}"], capture_output=True, timeout=30
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.decode("utf-8") if out.returncode == 0 else None
 
 
 def _code_lines(text: str) -> list[str]:
@@ -550,7 +571,7 @@ def check(root: Path | str = ".") -> list[str]:
             where = f" (exists only in {SOLUTIONS_DIR}/)" if path.parent.name == NOTEBOOKS_DIR else ""
             problems.append(f"{label}: missing{where}")
         elif on_disk != text:
-            mine = path.parent.name == NOTEBOOKS_DIR and holds_learner_work(on_disk, text)
+            mine = path.parent.name == NOTEBOOKS_DIR and holds_learner_work(on_disk, text, _committed_text(root, path))
             hint = f" - it holds answers: `{FIX_COMMAND}` keeps a copy in {WORK_DIR}/ first" if mine else ""
             problems.append(f"{label}: differs from what the build writes{hint}\n{_first_diff(on_disk, text, label)}")
     return problems

@@ -251,14 +251,15 @@ def show_first_widget(p: Profile) -> bool:
         shell = get_ipython()
         if shell is None or type(shell).__name__ != "ZMQInteractiveShell":
             return False
-        import ipywidgets
-        from IPython.display import display
+        from IPython.display import HTML, display
     except ImportError:
         return False
-    from IPython.display import HTML
-
+    display(HTML(OUTPUT_WRAP_STYLE))  # needs no widgets
+    try:
+        import ipywidgets
+    except ImportError:
+        return False
     display(ipywidgets.HTML(value=f"<small>widgets ready - {p.label()}</small>"))
-    display(HTML(OUTPUT_WRAP_STYLE))
     return True
 
 

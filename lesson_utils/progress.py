@@ -2,7 +2,7 @@
 
 tqdm redraws a bar only when it is updated; a single call that takes seconds would leave it frozen. :func:`busy`
 shows the elapsed time and refreshes it from a background thread every half second, so a learner sees that the cell
-is working, and what on. Nothing is shown headless (``COURSE_HEADLESS``: the course's runner, CI) unless asked.
+is working, and what on. Headless runs show it too (the course's runner reads bars to find silent cells).
 """
 
 from __future__ import annotations

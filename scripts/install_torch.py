@@ -75,7 +75,10 @@ def install(
     commands = pip_commands(choice)
     code = run(commands[0])
     if code != 0 and len(commands) > 1:
-        say("torch: PyTorch's CPU wheel index could not be reached; installing from the default index instead")
+        say(
+            "torch: installing from PyTorch's CPU wheel index failed (unreachable, or no wheel for this Python); "
+            "installing from the default index instead - on Linux that is the CUDA build, several GB"
+        )
         code = run(commands[1])
     return code
 

@@ -106,7 +106,12 @@ def _setup(cfg: DisaggConfig, rank: int):
         raise
     w = OPTWeights.from_hf(load_model(local_path=cfg.model_dir, quiet=True).model)
     manager = BlockManager(cfg.num_blocks, cfg.block_size, watermark=0.0, max_seq_len=w.max_positions)
-    return w, manager, PagedKVCache.for_model(w, manager=manager)
+    cache = PagedKVCache.for_model(w, manager=manager)
+    if len(cache.slot_tensors) != 1:  # the wire carries one K/V tensor per request (handover.receive checks too)
+        raise ValueError(
+            f"the two-worker hand-over sends K/V only; this cache keeps {', '.join(k.name for k in cache.slot_tensors)}"
+        )
+    return w, manager, cache
 
 
 WARMUP_PROMPT_LEN, WARMUP_NEW_TOKENS = 24, 3
@@ -214,16 +219,16 @@ def prefill_worker(rank: int, cfg: DisaggConfig, requests: list[tuple], results,
 
 
 def _leave(results, code: int, destroy: bool = True) -> None:
-    """A worker's deterministic end: its process groups destroyed (unless a receiving thread may still be blocked
-    in gloo), its reports flushed to the parent, then ``os._exit``. Not the interpreter's own teardown: there
-    gloo's threads met C++ static destructors now and then and the process aborted ("terminate called without an
-    active exception", exit code -6) after it had delivered every output."""
-    if destroy and dist.is_initialized():
-        dist.destroy_process_group()
+    """A worker's deterministic end: its reports flushed to the parent first (nothing after can lose them), its
+    process groups destroyed (unless a receiving thread may still be blocked in gloo), then ``os._exit``. Not the
+    interpreter's own teardown: there gloo's threads met C++ static destructors now and then and the process
+    aborted ("terminate called without an active exception", exit code -6) after it had delivered every output."""
     results.close()
     results.join_thread()  # the reports must leave before the process does
     sys.stdout.flush()
     sys.stderr.flush()
+    if destroy and dist.is_initialized():
+        dist.destroy_process_group()
     os._exit(code)
 
 
@@ -317,7 +322,7 @@ def decode_worker(rank: int, cfg: DisaggConfig, results, faults: Faults = Faults
         freed = _free_everything(manager)
         results.put(("error", "decode", f"{type(err).__name__}: {err}", freed))
         _leave(results, 1, destroy=False)  # the receiving thread may still be blocked in gloo
-    _leave(results, 0)
+    _leave(results, 0, destroy=not receiver.is_alive())
 
 
 def _to_host(t: torch.Tensor) -> torch.Tensor:
@@ -363,6 +368,7 @@ class DisaggResult:
     unpack_s: dict[int, float] = field(default_factory=dict)
     warmup_s: dict[str, float] = field(default_factory=dict)  # each worker's warm-up request ({} without one)
     warm_before_start: bool = True  # every warm-up ended before the clock started
+    exit_codes: dict[str, int | None] = field(default_factory=dict)  # each worker's; 0 is a clean end
 
     def handover_s(self, req_id: int) -> float:
         """Staging + transfer + unpack of one request, in seconds."""
@@ -511,6 +517,7 @@ def run_disaggregated(
         got.unpack_s,
         got.warmup_s,
         got.warm_end <= got.start,
+        {n: p.exitcode for n, p in procs.items()},
     )
 
 

@@ -158,8 +158,8 @@ def test_setup_shows_one_widget_in_a_live_kernel_and_none_headless(monkeypatch, 
     assert shown == []  # a plain Python process: nothing
     monkeypatch.setattr(IPython, "get_ipython", lambda: ZMQInteractiveShell())
     env.setup()
-    assert len(shown) == 2 and isinstance(shown[0], ipywidgets.HTML)  # one widget, and the invisible wrapping rule
-    assert isinstance(shown[1], IPython.display.HTML) and shown[1].data == env.OUTPUT_WRAP_STYLE
+    assert len(shown) == 2 and isinstance(shown[1], ipywidgets.HTML)  # the invisible wrapping rule, one widget
+    assert isinstance(shown[0], IPython.display.HTML) and shown[0].data == env.OUTPUT_WRAP_STYLE
 
 
 def test_the_static_picture_is_the_moment_the_slider_starts_at(monkeypatch, capsys):

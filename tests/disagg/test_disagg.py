@@ -243,6 +243,7 @@ def test_the_two_workers_end_cleanly_run_after_run_under_cpu_contention(saved_mo
             cfg = DisaggConfig(model_dir=saved_model, num_blocks=32, block_size=4, timeout_s=20, warmup=False)
             result = run_disaggregated(cfg, requests)
             assert sorted(result.outputs) == [r for r, _, _ in requests] and result.all_blocks_free
+            assert result.exit_codes == {"prefill": 0, "decode": 0}  # a clean end, not only a forgiven one
     finally:
         stop.set()
         spinner.join(timeout=10)

@@ -390,3 +390,33 @@ def test_an_answer_without_outputs_is_work_too_and_a_stale_stub_is_not():
     nb = lambda src: json.dumps({"cells": [{"cell_type": "code", "source": src, "outputs": []}]})  # noqa: E731
     assert build.holds_learner_work(nb("return 1"), nb(built))
     assert not build.holds_learner_work(nb("# an older text\n" + built), nb(built))
+
+
+def test_with_git_any_local_change_to_a_student_notebook_is_kept(repo: Path):
+    """In a clone, notebooks/ is generated: a note in a markdown cell, or an answer written above a stub the learner
+    kept, is work too - the committed version tells it apart from a notebook a maintainer's edit made stale."""
+    import subprocess
+
+    from course_tools import workspace
+
+    build.build(repo, quiet=True)
+    git = lambda *a: subprocess.run(["git", "-C", str(repo), *a], check=True, capture_output=True)  # noqa: E731
+    git("init", "-q")
+    git("-c", "user.email=t@t", "-c", "user.name=t", "add", "-A")
+    git("-c", "user.email=t@t", "-c", "user.name=t", "commit", "-qm", "course")
+    student = repo / "notebooks" / "01_kv_cache.ipynb"
+    nb = _read(student)
+    nb.cells[2].source += "\n\nMy note: the cache grows by one slot per token."  # markdown, no outputs, stub kept
+    _write(student, nb)
+    noted = student.read_bytes()
+    assert not build.holds_learner_work(noted.decode(), student.read_text())  # the zip heuristic would miss it
+    build.build(repo, quiet=True)
+    assert (repo / workspace.WORK_DIR / "01_kv_cache.ipynb").read_bytes() == noted
+    # a maintainer's edit of a solution makes notebooks/ stale, not the learner's: nothing is kept
+    (repo / workspace.WORK_DIR / "01_kv_cache.ipynb").unlink()
+    sol = repo / "solutions" / "02_paging.ipynb"
+    nb = _read(sol)
+    nb.cells[-1].source += "\n# a maintainer's edit"
+    _write(sol, nb)
+    build.build(repo, quiet=True)
+    assert not list((repo / workspace.WORK_DIR).glob("*.ipynb"))
