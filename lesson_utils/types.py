@@ -221,3 +221,21 @@ class MemoryManager(Protocol):
 
 class KVQuantError(ValueError):
     """Lesson 10: a K/V vector an int8 cache cannot hold (NaN or inf); the message names where it is."""
+
+
+def check_finite(x, where: str = "") -> None:
+    """Refuse NaN/inf in ``x`` ``[..., heads, head_dim]``, naming the first bad (token, head). One read-back.
+    Here, on the ground floor, so lesson 10's plain-torch reference and its Triton kernels both use it."""
+    bad = ~x.isfinite()
+    if bool(bad.any()):
+        index = [int(i) for i in bad.nonzero()[0]]
+        raise KVQuantError(
+            f"{where}a K/V vector holds {x[tuple(index)].item()} at token {token_of(index[:-2])}, head {index[-2]}: "
+            "int8 with a scale cannot store NaN or inf (the model produced it: check its inputs)"
+        )
+
+
+def token_of(leading: list[int]) -> int | list[int]:
+    """How a message names a token from its leading indices: one int, or the list when there are several axes."""
+    leading = leading or [0]
+    return leading[0] if len(leading) == 1 else leading

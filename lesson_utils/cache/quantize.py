@@ -23,8 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from lesson_utils.kernels.int8_kv import check_finite
-from lesson_utils.types import KVQuantError
+from lesson_utils.types import KVQuantError, check_finite, token_of
 
 QMAX = 127
 __all__ = ["KVQuantError", "QMAX", "check_finite", "dequantize_kv", "quantize_kv", "quantize_per_tensor"]
@@ -53,10 +52,9 @@ def _refuse_unstorable_scales(x: torch.Tensor, scale: torch.Tensor) -> None:
     bad = ~torch.isfinite(scale)
     if bool(bad.any()):
         index = [int(i) for i in bad.nonzero()[0]]
-        token, head = (index[:-1] or [0]), index[-1]
         raise KVQuantError(
             f"a K/V vector's largest value is {float(x[tuple(index)].abs().max()):.3g} at token "
-            f"{token[0] if len(token) == 1 else token}, head {head}: its scale ({QMAX}ths of it) overflows float32, "
+            f"{token_of(index[:-1])}, head {index[-1]}: its scale ({QMAX}ths of it) overflows float32, "
             "the scales' dtype, so int8 with a scale cannot store it (the model produced it: check its inputs)"
         )
 

@@ -24,19 +24,7 @@ import triton.language as tl
 from lesson_utils.device_discipline import check_kernel_args, kernel_launch
 from lesson_utils.kernels.paged_attention import paged_attention_decode
 from lesson_utils.kernels.unified_attention import unified_attention
-from lesson_utils.types import KVQuantError
-
-
-def check_finite(x: torch.Tensor, where: str = "") -> None:
-    """Refuse NaN/inf in ``x`` ``[..., heads, head_dim]``, naming the first bad (token, head). One read-back."""
-    bad = ~torch.isfinite(x)
-    if bool(bad.any()):
-        index = [int(i) for i in bad.nonzero()[0]]
-        token, head = (index[:-2] or [0]), index[-2]
-        raise KVQuantError(
-            f"{where}a K/V vector holds {x[tuple(index)].item()} at token {token[0] if len(token) == 1 else token}, "
-            f"head {head}: int8 with a scale cannot store NaN or inf (the model produced it: check its inputs)"
-        )
+from lesson_utils.types import check_finite
 
 
 @triton.jit
