@@ -63,7 +63,7 @@ def _copy_value(v):
     if isinstance(v, Record):
         return v.copy_record()
     if isinstance(v, (list, dict, set, bytearray)):  # a subclass of a container: copied as one
-        return _deque(v) if isinstance(v, deque) else t(v)
+        return t(v)
     if isinstance(v, deque):
         return t(v, v.maxlen)
     return v  # an object of its own (a sequence, a tensor, a function, another part's state): by reference
