@@ -22,26 +22,17 @@ lesson 04's kernel with the int8 tile loader.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
-from lesson_utils.cache.attention import fused_attention_over_context
+from lesson_utils.cache.attention import gather_kv
 from lesson_utils.cache.block_copy import SlotTensors
 from lesson_utils.cache.paged import PagedKVCache
-from lesson_utils.cache.quantize import KVQuantError, dequantize_kv, quantize_kv
-from lesson_utils.cache.seam import AttentionMetadata
+from lesson_utils.cache.paged_metadata import MetadataNeeds
+from lesson_utils.cache.quantize import KVQuantError, dequantize_kv, quantize_finite_kv, quantize_kv
 from lesson_utils.device_discipline import acts_as_gpu
-from lesson_utils.host_copy import to_device
 from lesson_utils.kernels.int8_kv import int8_paged_attention_decode, write_int8_kv_to_cache
-
-
-@dataclass
-class Int8Metadata(AttentionMetadata):
-    """The paged cache's step metadata, plus the decoding sequences' block tables for the int8 decode kernel."""
-
-    decode_tables: torch.Tensor | None = None
 
 
 class Int8PagedKVCache(PagedKVCache):
@@ -82,15 +73,11 @@ class Int8PagedKVCache(PagedKVCache):
         """The values' bytes (lesson 03's count) and the scales' beside them."""
         return super().allocated_bytes() + sum(t.numel() * t.element_size() for t in self.k_scale + self.v_scale)
 
-    def prepare(self, batch):
-        super().prepare(batch)
-        meta = Int8Metadata(**vars(batch.meta))
-        if meta.decode is not None:  # the kernel's block tables for the decoding sequences, built on the host
-            tables = [meta.block_tables[i] for i in meta.decode.indices]
-            width = max(len(t) for t in tables)
-            padded = [list(t) + [0] * (width - len(t)) for t in tables]
-            meta.decode_tables = to_device(padded, torch.int32, self.k_cache[0].device)
-        batch.meta = meta
+    @property
+    def metadata_needs(self) -> MetadataNeeds:
+        if self.use_kernels:
+            return MetadataNeeds(decode="kernel", int32_slots=True)
+        return MetadataNeeds(table_ids=self._gather is gather_kv)
 
     @property
     def slot_tensors(self) -> tuple[SlotTensors, ...]:
@@ -101,19 +88,19 @@ class Int8PagedKVCache(PagedKVCache):
         )
 
     def write(self, layer, batch, k, v):
-        slots = batch.meta.slots
-        if self.use_kernels:
-            if self.check_finite:
-                self._refuse_non_finite(layer, batch, k, v)
-            write_int8_kv_to_cache(
-                k, v, self.k_cache[layer], self.v_cache[layer], self.k_scale[layer], self.v_scale[layer],
-                batch.meta.slots.to(torch.int32), validate=False,
-            )  # fmt: skip
-            return
         if self.check_finite:
             self._refuse_non_finite(layer, batch, k, v)
+        if self.use_kernels:
+            write_int8_kv_to_cache(
+                k, v, self.k_cache[layer], self.v_cache[layer], self.k_scale[layer], self.v_scale[layer],
+                batch.meta.slots_i32, validate=False,
+            )  # fmt: skip
+            return
+        # the course's quantizer checks finiteness itself; skip that second pass when this layer was just checked
+        quantize = quantize_finite_kv if self.quantize_fn is quantize_kv and self.check_finite else self.quantize_fn
+        slots = batch.meta.slots
         for values, cache, scales in ((k, self.k_cache, self.k_scale), (v, self.v_cache, self.v_scale)):
-            q, s = self.quantize_fn(values)
+            q, s = quantize(values)
             c = cache[layer]
             c.view(-1, c.shape[2], c.shape[3])[slots] = q
             scales[layer].view(-1, c.shape[2])[slots] = s
@@ -130,27 +117,18 @@ class Int8PagedKVCache(PagedKVCache):
                 "would poison every later step of this sequence. Nothing was written for this layer."
             )
 
-    def _gather_dequantized(self, layer, table, ctx):
-        k = self._gather(self.k_cache[layer], table, ctx)
-        v = self._gather(self.v_cache[layer], table, ctx)
-        ks = self._gather(self.k_scale[layer].unsqueeze(-1), table, ctx)[..., 0]
-        vs = self._gather(self.v_scale[layer].unsqueeze(-1), table, ctx)[..., 0]
+    def gather_context(self, layer, table, context_len):
+        """One sequence's K and V through its table, dequantized into the model's dtype (lesson 03's loop reads these)."""
+        k = self._gather(self.k_cache[layer], table, context_len)
+        v = self._gather(self.v_cache[layer], table, context_len)
+        ks = self._gather(self.k_scale[layer].unsqueeze(-1), table, context_len)[..., 0]
+        vs = self._gather(self.v_scale[layer].unsqueeze(-1), table, context_len)[..., 0]
         return dequantize_kv(k, ks, self.compute_dtype), dequantize_kv(v, vs, self.compute_dtype)
 
-    def attend(self, layer, batch, q, scale):
-        out = torch.empty_like(q)
-        decode = batch.meta.decode
-        skip = set(decode.indices) if decode else set()
-        tables = batch.meta.table_ids or batch.meta.block_tables
-        for i, (table, start, n, ctx) in enumerate(zip(tables, batch.starts, batch.query_lens, batch.context_lens)):
-            if i in skip:
-                continue
-            k, v = self._gather_dequantized(layer, table, ctx)
-            out[start : start + n] = fused_attention_over_context(q[start : start + n], k, v, scale)
-        if decode:
-            out[decode.rows] = int8_paged_attention_decode(
-                q[decode.rows], self.k_cache[layer], self.v_cache[layer], self.k_scale[layer], self.v_scale[layer],
-                batch.meta.decode_tables, decode.context_lens.to(torch.int32), scale, load_fn=self.load_fn,
-                validate=False,
-            )  # fmt: skip
-        return out
+    def attend_decodes(self, layer, batch, q, scale):
+        """The decoding sequences together through lesson 04's kernel with the int8 tile loader (``use_kernels``)."""
+        meta = batch.meta
+        return int8_paged_attention_decode(
+            q, self.k_cache[layer], self.v_cache[layer], self.k_scale[layer], self.v_scale[layer],
+            meta.decode_tables, meta.decode_lens, scale, load_fn=self.load_fn, validate=False,
+        )  # fmt: skip

@@ -24,13 +24,13 @@ from typing import Callable
 
 import torch
 
-from lesson_utils.cache.attention import decode_attention, decode_slot_index, fused_attention_over_context, gather_kv
+from lesson_utils.cache.attention import decode_attention, fused_attention_over_context, gather_kv
 from lesson_utils.cache.block_copy import SlotTensors, pack_blocks, restore_blocks, save_blocks, unpack_blocks
-from lesson_utils.cache.seam import AttentionMetadata, StepBatch, mark_decodes
+from lesson_utils.cache.paged_metadata import MetadataNeeds, build_paged_metadata
+from lesson_utils.cache.seam import StepBatch
 from lesson_utils.device_discipline import acts_as_gpu, synchronize
 from lesson_utils.host_copy import to_device, wants_pinned
 from lesson_utils.memory.block_manager import BlockManager
-from lesson_utils.memory.block_table import blocks_needed
 
 
 def slot_mapping(batch: StepBatch, block_tables: list[list[int]], block_size: int) -> torch.Tensor:
@@ -135,9 +135,15 @@ class PagedKVCache:
         """Bytes of every tensor this cache allocated: its capacity measured, not computed from a formula."""
         return sum(t.numel() * t.element_size() for t in self.k_cache + self.v_cache)
 
+    @property
+    def metadata_needs(self) -> MetadataNeeds:
+        """What this cache's ``write``/``attend`` read from the step's metadata (subclasses with kernels ask for more)."""
+        return MetadataNeeds(decode="gather" if self.batched_decode else None, table_ids=self._gather is gather_kv)
+
     def prepare(self, batch: StepBatch) -> None:
-        """The step's slot mapping and block tables. Allocates nothing: the scheduler reserved every slot this
-        step writes (and made shared blocks writable) before the forward pass; a sequence without them is refused."""
+        """The step's metadata (:mod:`~lesson_utils.cache.paged_metadata`), built once for every layer. Allocates
+        nothing: the scheduler reserved every slot this step writes (and made shared blocks writable) before the
+        forward pass; a sequence without them is refused."""
         tables = []
         for sid, clen in zip(batch.seq_ids, batch.context_lens):
             table = self.manager.table_of(sid)
@@ -148,30 +154,9 @@ class PagedKVCache:
                     "reserve them first (the memory manager's allocate / append_slot, which the scheduler calls)"
                 )
             tables.append(table.blocks)
-        device = self.k_cache[0].device
-        decode = mark_decodes(batch, self.batched_decode, device)
-        batch.meta = AttentionMetadata(
-            self._slot_mapping(batch, tables, self.block_size),
-            tables,
-            decode,
-            self._table_ids(tables, batch.context_lens, set(decode.indices) if decode else set(), device),
+        batch.meta = build_paged_metadata(
+            batch, tables, self.block_size, self.k_cache[0].device, self.metadata_needs, self._slot_mapping
         )
-
-    def _table_ids(self, tables, context_lens, skip: set[int], device) -> list[torch.Tensor | None] | None:
-        """The gathered sequences' used blocks as device tensors, for every layer's gather: one copy for the step
-        (the course's gather takes them; a learner's ``gather_fn`` of lesson 03 gets the lists)."""
-        if self._gather is not gather_kv:
-            return None
-        used = [
-            t[: blocks_needed(c, self.block_size)] if i not in skip else []
-            for i, (t, c) in enumerate(zip(tables, context_lens))
-        ]
-        flat = to_device([b for t in used for b in t], torch.long, device)
-        out, start = [], 0
-        for i, t in enumerate(used):
-            out.append(None if i in skip else flat[start : start + len(t)])
-            start += len(t)
-        return out
 
     # A swap moves all its blocks, K and V of every layer, in ONE host-device copy through a pinned staging
     # buffer: gather on the device (pack_blocks, lesson 09's packing too), one asynchronous copy, scatter on the
@@ -208,7 +193,14 @@ class PagedKVCache:
         kc.view(-1, kc.shape[2], kc.shape[3])[slots] = k.to(kc.dtype)
         vc.view(-1, vc.shape[2], vc.shape[3])[slots] = v.to(vc.dtype)
 
+    def gather_context(self, layer: int, table, context_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """One sequence's K and V ``[context_len, kv_heads, d]`` through its table (lesson 10 dequantizes here)."""
+        return self._gather(self.k_cache[layer], table, context_len), self._gather(
+            self.v_cache[layer], table, context_len
+        )
+
     def attend(self, layer, batch, q, scale):
+        """The sequences not in the decode group one at a time (gather, then fused attention), the group at once."""
         out = torch.empty_like(q)
         decode = batch.meta.decode
         skip = set(decode.indices) if decode else set()
@@ -217,8 +209,7 @@ class PagedKVCache:
         for i, (table, start, n, ctx) in enumerate(rows):
             if i in skip:
                 continue
-            k = self._gather(self.k_cache[layer], table, ctx)
-            v = self._gather(self.v_cache[layer], table, ctx)
+            k, v = self.gather_context(layer, table, ctx)
             out[start : start + n] = fused_attention_over_context(q[start : start + n], k, v, scale)
         if decode:
             out[decode.rows] = self.attend_decodes(layer, batch, q[decode.rows], scale)
@@ -227,13 +218,6 @@ class PagedKVCache:
     def attend_decodes(self, layer, batch, q, scale):
         """Attention of the decoding sequences' new tokens (``q``: ``[num_decodes, heads, d]``), all at once."""
         decode = batch.meta.decode
-        if decode.slot_index is None:  # built at the first layer, reused by the others
-            decode.slot_index = decode_slot_index(
-                [batch.meta.block_tables[i] for i in decode.indices],
-                [batch.context_lens[i] for i in decode.indices],
-                self.block_size,
-                q.device,
-            )
         kc, vc = self.k_cache[layer], self.v_cache[layer]
         return decode_attention(
             q, kc.view(-1, *kc.shape[2:]), vc.view(-1, *vc.shape[2:]), decode.slot_index, decode.context_lens, scale

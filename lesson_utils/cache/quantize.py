@@ -26,7 +26,15 @@ import torch
 from lesson_utils.types import KVQuantError, check_finite, token_of
 
 QMAX = 127
-__all__ = ["KVQuantError", "QMAX", "check_finite", "dequantize_kv", "quantize_kv", "quantize_per_tensor"]
+__all__ = [
+    "KVQuantError",
+    "QMAX",
+    "check_finite",
+    "dequantize_kv",
+    "quantize_finite_kv",
+    "quantize_kv",
+    "quantize_per_tensor",
+]
 
 
 def quantize_kv(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -37,6 +45,12 @@ def quantize_kv(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if x.dim() < 2:
         raise ValueError(f"quantize_kv takes [..., head_dim] with at least a head axis, got shape {tuple(x.shape)}")
     check_finite(x)
+    return quantize_finite_kv(x)
+
+
+def quantize_finite_kv(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`quantize_kv` of a float ``x`` already known to be finite (the int8 cache checked it, naming the layer
+    and slot): the same result without a second finiteness pass."""
     # a float64 input may hold finite values beyond float32's range: work in float64 then, and refuse a vector whose
     # scale float32 cannot hold (the stored scale is float32; an inf there would poison every later step)
     xw = x.double() if x.dtype == torch.float64 else x.float()

@@ -27,7 +27,7 @@ class DecodeGroup:
 
     ``indices`` are their places in the batch; ``rows`` their rows in the flat batch and ``context_lens``
     their context lengths, both on the cache's device; ``slot_index`` (``[n, max_ctx]`` cache slots of their
-    context tokens) is built by the first layer that needs it and reused by the others.
+    context tokens) is built in ``prepare`` by a cache whose decode attention gathers through it.
     """
 
     indices: list[int]
@@ -41,16 +41,13 @@ class AttentionMetadata:
     """What a cache works out once per step, in ``prepare``, and reads in every layer's ``write``/``attend``.
 
     ``slots``: the flat cache slot of every new token (``torch.long``, on the cache's device);
-    ``block_tables``: each sequence's physical blocks (paged caches; None for contiguous ones);
-    ``decode``: the sequences served together (:func:`mark_decodes`), None when there are none;
-    ``table_ids``: the block tables of the sequences not in ``decode`` as long tensors on the cache's device,
-    copied in one go at ``prepare`` (None where a sequence decodes, or where the cache gathers from lists).
+    ``decode``: the sequences served together (:func:`mark_decodes`), None when there are none.
+    The paged caches' metadata adds their block tables in every form their kernels take
+    (:class:`~lesson_utils.cache.paged_metadata.PagedMetadata`).
     """
 
     slots: torch.Tensor
-    block_tables: list[list[int]] | None = None
     decode: DecodeGroup | None = None
-    table_ids: list[torch.Tensor | None] | None = None
 
 
 @dataclass
@@ -113,7 +110,9 @@ class KVCache(Protocol):
     """What the model needs from a cache. ``k``/``v``/``q`` are ``[num_tokens, heads, head_dim]``."""
 
     def prepare(self, batch: StepBatch) -> None:
-        """Find room for this step's new tokens (called once per step, before layer 0)."""
+        """Work out where this step's new tokens go and what attention reads (called once per step, before layer
+        0). A contiguous cache of lesson 01 finds room here; a paged cache only reads the blocks the scheduler
+        reserved, and refuses a sequence without them."""
 
     def write(self, layer: int, batch: StepBatch, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store the new tokens' keys and values for ``layer``."""

@@ -12,25 +12,10 @@ things change:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-import torch
-
 from lesson_utils.cache.paged import PagedKVCache
-from lesson_utils.cache.seam import AttentionMetadata
-from lesson_utils.host_copy import to_device
+from lesson_utils.cache.paged_metadata import MetadataNeeds
 from lesson_utils.kernels.paged_attention import paged_attention_decode, write_kv_to_cache
 from lesson_utils.kernels.unified_attention import unified_attention
-
-
-@dataclass
-class TritonMetadata(AttentionMetadata):
-    """The paged cache's step metadata, plus what the kernels take: int32 slots and, for the decoding
-    sequences, their block tables padded into one int32 tensor and their context lengths as int32."""
-
-    slots_i32: torch.Tensor | None = None
-    decode_tables: torch.Tensor | None = None
-    decode_lens: torch.Tensor | None = None
 
 
 class TritonPagedKVCache(PagedKVCache):
@@ -39,17 +24,9 @@ class TritonPagedKVCache(PagedKVCache):
         super().__init__(*args, **kw)
         self.variant = variant
 
-    def prepare(self, batch):
-        super().prepare(batch)
-        device = self.k_cache[0].device
-        meta = TritonMetadata(**vars(batch.meta), slots_i32=batch.meta.slots.to(device=device, dtype=torch.int32))
-        if meta.decode:
-            tables = [meta.block_tables[i] for i in meta.decode.indices]
-            width = max(len(t) for t in tables)
-            padded = [list(t) + [0] * (width - len(t)) for t in tables]  # built on the host, moved once
-            meta.decode_tables = to_device(padded, torch.int32, device)
-            meta.decode_lens = meta.decode.context_lens.to(torch.int32)
-        batch.meta = meta
+    @property
+    def metadata_needs(self) -> MetadataNeeds:
+        return MetadataNeeds(decode="kernel", int32_slots=True)
 
     # The kernels' own value checks read their inputs back from the GPU (one sync per call); here the slots
     # and lengths come from host-side block tables the block manager keeps valid, so they are skipped: the
@@ -70,18 +47,6 @@ class TritonPagedKVCache(PagedKVCache):
         )
 
 
-@dataclass
-class UnifiedMetadata(AttentionMetadata):
-    """What lesson 08's unified kernel takes for the whole step, built on the host and moved once: int32 slots,
-    every sequence's block table padded into one tensor, the query offsets and the context lengths."""
-
-    slots_i32: torch.Tensor | None = None
-    padded_tables: torch.Tensor | None = None
-    query_start: torch.Tensor | None = None
-    context_lens: torch.Tensor | None = None
-    max_query_len: int = 0
-
-
 class UnifiedTritonKVCache(PagedKVCache):
     """Lesson 08: the paged cache with ONE attention launch per layer for the whole step - prefill chunks and
     decodes alike - through :func:`~lesson_utils.kernels.unified_attention.unified_attention`."""
@@ -91,22 +56,9 @@ class UnifiedTritonKVCache(PagedKVCache):
         super().__init__(*args, **kw)
         self.mask_fn = mask_fn
 
-    def prepare(self, batch):
-        super().prepare(batch)
-        device = self.k_cache[0].device
-        tables = batch.meta.block_tables
-        width = max((len(t) for t in tables), default=1)
-        starts = [0]
-        for n in batch.query_lens:
-            starts.append(starts[-1] + n)
-        batch.meta = UnifiedMetadata(
-            **vars(batch.meta),
-            slots_i32=batch.meta.slots.to(device=device, dtype=torch.int32),
-            padded_tables=to_device([list(t) + [0] * (width - len(t)) for t in tables], torch.int32, device),
-            query_start=to_device(starts, torch.int32, device),
-            context_lens=to_device(batch.context_lens, torch.int32, device),
-            max_query_len=max(batch.query_lens, default=0),
-        )
+    @property
+    def metadata_needs(self) -> MetadataNeeds:
+        return MetadataNeeds(table_ids=False, int32_slots=True, whole_step=True)
 
     def write(self, layer, batch, k, v):
         write_kv_to_cache(k, v, self.k_cache[layer], self.v_cache[layer], batch.meta.slots_i32, validate=False)

@@ -112,11 +112,15 @@ def assert_simulation_complete(res, requests, total_slots: int) -> None:
     assert np.all(sum(res.kinds[k] for k in simulator.KINDS) == total_slots)
 
 
-class ReservingPagedKVCache(PagedKVCache):
-    """The paged cache for tests that drive the forward pass without a scheduler (``generate_greedy``, bare
+class ReservesSlots:
+    """Mixed into a paged cache for tests that drive the forward pass without a scheduler (``generate_greedy``, bare
     ``forward`` calls): it reserves each step's slots itself, as the scheduler would, before ``prepare``."""
 
     def prepare(self, batch) -> None:
         for sid, clen in zip(batch.seq_ids, batch.context_lens):
             self.manager.ensure_capacity(sid, clen)
         super().prepare(batch)
+
+
+class ReservingPagedKVCache(ReservesSlots, PagedKVCache):
+    """Lesson 03's paged cache that reserves its own slots (:class:`ReservesSlots`)."""
