@@ -1,7 +1,9 @@
 """Lesson 09: one request handed over from a prefill side to a decode side - the lesson's three steps, in one place.
 
-* :func:`prefill_request` (prefill side): admit the prompt, run it once, sample its first token; the result is a
-  :class:`Prefilled` - the request, that token, and the prefill side's blocks holding the prompt's K/V.
+* :func:`prefill_request` (prefill side): the prompt through one real engine step of the prefill side's
+  :func:`prefill_engine` (schedule -> execute -> update_from_output, the one place a token is born), asking for
+  its first token only; the result is a :class:`Prefilled` - the request, that token, and the prefill side's
+  blocks holding the prompt's K/V, which its scheduler holds until ``scheduler.release(req_id)`` once they are sent.
 * :func:`receive` (decode side): plan the transfer, write the K/V into fresh blocks, adopt them into a block
   table, and let the request join the running batch. A request that its first token already finishes (one new
   token asked for, or the token is the end of sequence) is never decoded: it comes back finished, holding no
@@ -18,7 +20,7 @@ them - one packed tensor per kind, packed and unpacked by the same functions. Bo
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import torch
@@ -26,8 +28,8 @@ import torch
 from lesson_utils.cache.block_copy import pack_blocks, unpack_blocks
 from lesson_utils.disagg.transfer import transfer_plan
 from lesson_utils.memory.block_table import blocks_needed
-from lesson_utils.serving import sampling
-from lesson_utils.types import Request, Sequence
+from lesson_utils.serving.engine import Engine
+from lesson_utils.types import Request, Sequence, SequenceStatus
 
 
 @dataclass(frozen=True)
@@ -66,14 +68,35 @@ def finishes_at_once(prefilled: Prefilled, eos_token_id: int | None) -> bool:
     return prefilled.request.output_len <= 1 or first_is_eos
 
 
-def prefill_request(runner, manager, request: Request) -> Prefilled:
-    """Prefill side: blocks for the prompt, one forward pass over it, its first token (greedy). The blocks stay
-    allocated until the caller frees the request (``manager.free``) once they are sent."""
-    seq = Sequence(request)
-    manager.allocate(seq)
-    first = sampling.next_tokens([seq], runner.logits([seq]))[0]
+def prefill_engine(w, cache, **engine_kw) -> Engine:
+    """The prefill side: an :class:`~lesson_utils.serving.engine.Engine` on ``cache`` whose scheduler holds a
+    finished sequence's blocks (``hold_finished``) until they are sent and released."""
+    kw = dict(engine_kw.pop("scheduler_kw", {}), hold_finished=True)
+    return Engine(w, cache, stop_at_eos=False, scheduler_kw=kw, **engine_kw)
+
+
+def prefill_request(engine: Engine, request: Request) -> Prefilled:
+    """Prefill side: ``request``'s prompt through the prefill engine's own steps, asking for one token (greedy) -
+    its K/V and its first token. The blocks stay held until the caller releases them
+    (``engine.scheduler.release(request.req_id)``) once they are sent. A refused step leaves nothing behind."""
+    scheduler = engine.scheduler
+    if not scheduler.hold_finished:
+        raise ValueError(
+            "the prefill side's engine must hold a finished sequence's blocks until they are sent: make it with "
+            "handover.prefill_engine(w, cache)"
+        )
+    seq = Sequence(replace(request, output_len=1))  # the prefill side computes the prompt and the first token only
+    scheduler.add(seq)
+    try:
+        while not seq.is_finished:
+            engine.step()
+    except BaseException:
+        if seq.status in (SequenceStatus.WAITING, SequenceStatus.RUNNING, SequenceStatus.SWAPPED):
+            scheduler.abort(seq)
+        raise
+    manager = engine.manager
     blocks = list(manager.block_table(request.req_id)[: blocks_needed(request.prompt_len, manager.block_size)])
-    return Prefilled(request, int(first), blocks)
+    return Prefilled(request, seq.output_ids[0], blocks)
 
 
 def receive(
@@ -118,8 +141,7 @@ def receive(
 
 
 def hand_over(
-    prefill_runner,
-    prefill_manager,
+    prefill: Engine,
     decode_engine,
     request: Request,
     *,
@@ -129,20 +151,20 @@ def hand_over(
     unpack_fn: Callable = unpack_blocks,
     adopt_fn: Callable = _adopt,
 ) -> Sequence:
-    """Both halves in one process: prefill ``request`` on ``prefill_runner``'s cache, pack its blocks, receive them
-    into ``decode_engine`` (:func:`receive`), and free the prefill side's blocks whatever happened. Both caches
-    must keep the same kinds of per-slot data (fp K/V on both sides, or int8 values and scales on both)."""
-    sent = [k.name for k in prefill_runner.cache.slot_tensors]
+    """Both halves in one process: prefill ``request`` on the ``prefill`` engine (:func:`prefill_engine`), pack its
+    blocks, receive them into ``decode_engine`` (:func:`receive`), and release the prefill side's blocks whatever
+    happened. Both caches must keep the same kinds of per-slot data (fp K/V on both sides, or int8 values and
+    scales on both)."""
+    sent = [k.name for k in prefill.cache.slot_tensors]
     kept = [k.name for k in decode_engine.cache.slot_tensors]
     if sent != kept:
         raise ValueError(
             f"the prefill cache keeps {', '.join(sent)} per slot and the decode cache keeps {', '.join(kept)}: a "
             "hand-over copies blocks as they are, so both sides need the same kind of cache (int8 to int8)"
         )
-    prefilled = prefill_request(prefill_runner, prefill_manager, request)
+    prefilled = prefill_request(prefill, request)
     try:
-        cache = prefill_runner.cache
-        packed = [pack_fn(kind.k, kind.v, prefilled.blocks) for kind in cache.slot_tensors]
+        packed = [pack_fn(kind.k, kind.v, prefilled.blocks) for kind in prefill.cache.slot_tensors]
         payload = packed[0] if len(packed) == 1 else packed
         return receive(
             decode_engine,
@@ -154,4 +176,4 @@ def hand_over(
             adopt_fn=adopt_fn,
         )
     finally:
-        prefill_manager.free(request.req_id)
+        prefill.scheduler.release(request.req_id)

@@ -141,8 +141,8 @@ def _start_clock(cfg: DisaggConfig):
     return dist.new_group([PREFILL, DECODE], timeout=datetime.timedelta(seconds=cfg.timeout_s))
 
 
-def _warm_up_prefill(cfg: DisaggConfig, runner, manager, cache, results) -> None:
-    """One prefill and one staging copy of the prefill worker's own, freed again; its time is reported."""
+def _warm_up_prefill(cfg: DisaggConfig, engine, results) -> None:
+    """One prefill and one staging copy of the prefill worker's own, released again; its time is reported."""
     from lesson_utils.cache.block_copy import pack_blocks
     from lesson_utils.disagg.handover import prefill_request
     from lesson_utils.types import Request
@@ -150,10 +150,10 @@ def _warm_up_prefill(cfg: DisaggConfig, runner, manager, cache, results) -> None
     if not cfg.warmup:
         return
     t = time.perf_counter()
-    prompt = _warmup_prompt(runner.w, cfg)
-    done = prefill_request(runner, manager, Request(-2, 0.0, len(prompt), 1, prompt_ids=prompt))
-    _to_host(pack_blocks(cache.k_cache, cache.v_cache, done.blocks))
-    manager.free(-2)
+    prompt = _warmup_prompt(engine.w, cfg)
+    done = prefill_request(engine, Request(-2, 0.0, len(prompt), 1, prompt_ids=prompt))
+    _to_host(pack_blocks(engine.cache.k_cache, engine.cache.v_cache, done.blocks))
+    engine.scheduler.release(-2)
     results.put(("warmed", "prefill", time.perf_counter() - t, time.time()))
 
 
@@ -170,8 +170,7 @@ def prefill_worker(rank: int, cfg: DisaggConfig, requests: list[tuple], results,
     """Prefill each ``(req_id, prompt_ids, max_new_tokens[, arrival_s])`` once it has arrived (seconds after both
     workers are ready), send its blocks to the decode worker, free them."""
     from lesson_utils.cache.block_copy import pack_blocks
-    from lesson_utils.disagg.handover import prefill_request
-    from lesson_utils.serving.model_runner import ModelRunner
+    from lesson_utils.disagg.handover import prefill_engine, prefill_request
     from lesson_utils.types import Request
 
     sent = 0
@@ -190,8 +189,8 @@ def prefill_worker(rank: int, cfg: DisaggConfig, requests: list[tuple], results,
         if faults.prefill_start_delay_s:
             time.sleep(faults.prefill_start_delay_s)
         w, manager, cache = _setup(cfg, rank)
-        runner = ModelRunner(w, cache)
-        _warm_up_prefill(cfg, runner, manager, cache, results)
+        engine = prefill_engine(w, cache)
+        _warm_up_prefill(cfg, engine, results)
         group = _start_clock(cfg)  # both workers loaded and warm: the clock starts
         t0 = time.time()
         results.put(("start", t0))
@@ -199,7 +198,7 @@ def prefill_worker(rank: int, cfg: DisaggConfig, requests: list[tuple], results,
             wait = t0 + (arrival[0] if arrival else 0.0) - time.time()
             if wait > 0:
                 time.sleep(wait)
-            done = prefill_request(runner, manager, Request(req_id, 0.0, len(prompt), max_new, prompt_ids=list(prompt)))
+            done = prefill_request(engine, Request(req_id, 0.0, len(prompt), max_new, prompt_ids=list(prompt)))
             t_pack = time.perf_counter()
             packed = _to_host(pack_blocks(cache.k_cache, cache.v_cache, done.blocks))
             t_send = time.perf_counter()
@@ -208,7 +207,7 @@ def prefill_worker(rank: int, cfg: DisaggConfig, requests: list[tuple], results,
             send(packed)
             now = time.perf_counter()
             results.put(("sent", req_id, packed.numel() * packed.element_size(), now - t_send, t_send - t_pack))
-            manager.free(req_id)
+            engine.scheduler.release(req_id)
         send(torch.tensor([END, 0, 0, 0, 0], dtype=torch.int64))
         results.put(("prefill done", manager.num_free_blocks == cfg.num_blocks))
     except Exception as err:  # noqa: BLE001 - reported to the parent, which raises it

@@ -53,7 +53,8 @@ class FCFSScheduler:
 
     After the runner has computed the plan, :meth:`update_from_output` advances every computed count, samples and
     appends the due tokens (the one place a token is born), registers full computed blocks in the prefix cache,
-    forks parallel samples, advances beam groups, and frees what finished.
+    forks parallel samples, advances beam groups, and frees what finished - or, on lesson 09's prefill side
+    (``hold_finished``), holds it until :meth:`release`, once its K/V have been sent.
     """
 
     def __init__(
@@ -67,6 +68,7 @@ class FCFSScheduler:
         choose_victim: Callable = most_recently_admitted,
         reset: Callable = reset_for_recompute,
         chunked: ChunkedPrefill | None = None,
+        hold_finished: bool = False,
     ):
         if preemption_mode not in ("recompute", "swap"):
             raise ValueError(f"preemption_mode is 'recompute' or 'swap', got {preemption_mode!r}")
@@ -92,6 +94,9 @@ class FCFSScheduler:
         self.running: list[Sequence] = []
         self.swapped: deque[Sequence] = deque()
         self.finished: list[Sequence] = []
+        # lesson 09's prefill side (``hold_finished``): a finished sequence keeps its blocks here until release()
+        self.hold_finished = hold_finished
+        self.held: dict[int, Sequence] = {}
         self.events: list[PreemptionEvent] = []
         self.observe: Callable[[StepPlan], None] | None = None  # the simulator's hook: after the tokens, before frees
         self._step = 0
@@ -131,6 +136,17 @@ class FCFSScheduler:
         self.manager.check_admissible(seq)
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
+
+    def release(self, seq_id: int) -> None:
+        """Lesson 09's prefill side: give back the blocks of a finished sequence held since it finished (the
+        scheduler was made with ``hold_finished``), once its K/V have been sent."""
+        seq = self.held.pop(seq_id, None)
+        if seq is None:
+            raise ValueError(
+                f"sequence {seq_id} is not held: a scheduler made with hold_finished keeps a finished sequence's "
+                f"blocks until release(); held now: {sorted(self.held) or 'none'}"
+            )
+        self.manager.free(seq_id)
 
     def abort(self, seq: Sequence) -> None:
         """Cancel a sequence wherever it is (waiting, running or swapped) and give back all it holds.
@@ -193,6 +209,11 @@ class FCFSScheduler:
             self._undo_admissions(admitted, saved)
             raise
         if not self.running and (self.waiting or self.swapped):
+            if self.held:
+                raise RuntimeError(
+                    f"nothing is running and the head request does not fit while finished sequences "
+                    f"{sorted(self.held)} hold their blocks: release() them once sent"
+                )
             raise RuntimeError(
                 "nothing is running and the head request still does not fit: the cache is too small for it even when empty"
             )
@@ -347,7 +368,10 @@ class FCFSScheduler:
                 self.running = [s for s in self.running if s.beam is not group] + group.beams
         done = [s for s in self.running if s.is_finished]
         for seq in done:
-            self.manager.free(seq.seq_id)
+            if self.hold_finished:  # its blocks are still to be sent (lesson 09): release() frees them
+                self.held[seq.seq_id] = seq
+            else:
+                self.manager.free(seq.seq_id)
             seq.finished_step, seq.status = plan.step, SequenceStatus.FINISHED
             self.finished.append(seq)
         if done:

@@ -13,10 +13,9 @@ from lesson_utils.cache.host_blocks import HostBlocks
 from lesson_utils.cache.int8_paged import Int8PagedKVCache
 from lesson_utils.cache.paged import PagedKVCache
 from lesson_utils.cache.triton_paged import TritonPagedKVCache, UnifiedTritonKVCache
-from lesson_utils.disagg.handover import Prefilled, hand_over, prefill_request, receive
+from lesson_utils.disagg.handover import Prefilled, hand_over, prefill_engine, prefill_request, receive
 from lesson_utils.memory.block_manager import BlockManager
 from lesson_utils.serving.engine import Engine
-from lesson_utils.serving.model_runner import ModelRunner
 from lesson_utils.types import Request
 
 NUM_BLOCKS, BS = 8, 4
@@ -139,32 +138,32 @@ def test_an_int8_hand_over_decodes_as_the_int8_engine_alone(tiny, use_kernels):
     _, w = tiny
     prompt, new = [2, 40, 41, 42, 43, 44, 45], 6
     alone = Engine(w, _int8(w, use_kernels=use_kernels)).generate([prompt], new)[0]
-    prefill_cache = _int8(w, use_kernels=use_kernels)
+    prefill = prefill_engine(w, _int8(w, use_kernels=use_kernels))
     decode = Engine(w, _int8(w, use_kernels=use_kernels))
-    seq = hand_over(ModelRunner(w, prefill_cache), prefill_cache.manager, decode, Request(0, 0.0, len(prompt), new,
-                    prompt_ids=prompt))  # fmt: skip
+    seq = hand_over(prefill, decode, Request(0, 0.0, len(prompt), new, prompt_ids=prompt))
     decode.run()
     assert seq.output_ids == alone
     assert decode.manager.num_free_blocks == decode.manager.num_blocks
-    assert prefill_cache.manager.num_free_blocks == prefill_cache.manager.num_blocks
+    assert prefill.manager.num_free_blocks == prefill.manager.num_blocks
 
 
 def test_a_hand_over_without_the_scales_or_between_kinds_is_refused_and_takes_nothing(tiny):
     _, w = tiny
     prompt = [2, 40, 41, 42, 43, 44, 45]
-    prefill_cache = _int8(w)
+    prefill = prefill_engine(w, _int8(w))
+    prefill_cache = prefill.cache
     decode = Engine(w, _int8(w))
     req = Request(0, 0.0, len(prompt), 4, prompt_ids=prompt)
-    done = prefill_request(ModelRunner(w, prefill_cache), prefill_cache.manager, req)
+    done = prefill_request(prefill, req)
     from lesson_utils.cache.block_copy import pack_blocks
 
     values_only = pack_blocks(prefill_cache.k_cache, prefill_cache.v_cache, done.blocks)
     with pytest.raises(ValueError, match=r"holds 1 packed tensor\(s\), but the decode cache keeps 2"):
         receive(decode, Prefilled(req, done.first_token, done.blocks), values_only)
     assert decode.manager.num_free_blocks == decode.manager.num_blocks and not decode.scheduler.has_work
-    fp = PagedKVCache.for_model(w, 40, 4)
+    fp = prefill_engine(w, PagedKVCache.for_model(w, 40, 4))
     with pytest.raises(ValueError, match="same kind of cache"):
-        hand_over(ModelRunner(w, fp), fp.manager, decode, Request(1, 0.0, len(prompt), 4, prompt_ids=prompt))
+        hand_over(fp, decode, Request(1, 0.0, len(prompt), 4, prompt_ids=prompt))
     assert fp.manager.num_free_blocks == fp.manager.num_blocks
     fp_engine = Engine(w, PagedKVCache.for_model(w, 40, 4))
     as_floats = [values_only.float(), pack_blocks(*[[s.unsqueeze(-1) for s in x] for x in

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import hf_greedy
 
 from lesson_utils.cache.block_copy import pack_blocks, unpack_blocks
 from lesson_utils.cache.paged import PagedKVCache
@@ -14,7 +15,6 @@ from lesson_utils.disagg.workers import check_requests
 from lesson_utils.memory.block_manager import BlockManager
 from lesson_utils.memory.sharing import SharingBlockManager
 from lesson_utils.serving.engine import Engine
-from lesson_utils.serving.model_runner import ModelRunner
 from lesson_utils.types import OutOfBlocks, Request, Sequence
 
 
@@ -35,9 +35,9 @@ def _unchanged(before, k, v) -> bool:
 
 # ---- the hand-over of a request that is already finished -------------------------------------------------------
 def _sides(w, num_blocks=16):
-    prefill = PagedKVCache.for_model(w, num_blocks, 4)
+    prefill = handover.prefill_engine(w, PagedKVCache.for_model(w, num_blocks, 4))
     decode = Engine(w, PagedKVCache.for_model(w, num_blocks, 4))
-    return ModelRunner(w, prefill), prefill.manager, decode
+    return prefill, prefill.manager, decode
 
 
 @pytest.mark.parametrize("why", ["one token asked for", "the first token is the end of sequence"])
@@ -46,10 +46,10 @@ def test_a_request_its_first_token_finishes_is_never_decoded(tiny, why):
     prompt = [2, 40, 41, 42, 43, 44]
     with torch.inference_mode():
         first = int(model(torch.tensor([prompt])).logits[0, -1].argmax())
-    runner, prefill_mgr, decode = _sides(w)
+    prefill, prefill_mgr, decode = _sides(w)
     max_new, eos = (1, None) if why == "one token asked for" else (5, first)
     seq = handover.hand_over(
-        runner, prefill_mgr, decode, Request(0, 0.0, len(prompt), max_new, prompt_ids=prompt), eos_token_id=eos
+        prefill, decode, Request(0, 0.0, len(prompt), max_new, prompt_ids=prompt), eos_token_id=eos
     )
     assert seq.output_ids == [first] and seq.is_finished and seq.finished_step is not None
     assert not decode.scheduler.has_work and decode.manager.num_free_blocks == 16 and not decode.manager.tables
@@ -70,15 +70,13 @@ def test_the_scheduler_refuses_to_decode_a_finished_sequence(tiny):
 
 def test_a_hand_over_gives_everything_back_when_a_step_fails(tiny):
     _, w = tiny
-    runner, prefill_mgr, decode = _sides(w)
+    prefill, prefill_mgr, decode = _sides(w)
 
     def broken_unpack(*args):
         raise RuntimeError("the learner's unpack broke")
 
     with pytest.raises(RuntimeError, match="unpack broke"):
-        handover.hand_over(
-            runner, prefill_mgr, decode, Request(0, 0.0, 9, 4, prompt_ids=[2] + [7] * 8), unpack_fn=broken_unpack
-        )
+        handover.hand_over(prefill, decode, Request(0, 0.0, 9, 4, prompt_ids=[2] + [7] * 8), unpack_fn=broken_unpack)
     assert decode.manager.num_free_blocks == 16 and prefill_mgr.num_free_blocks == 16 and not decode.scheduler.has_work
 
 
@@ -231,3 +229,36 @@ def test_a_block_in_a_table_cannot_be_freed_alone():
 def test_run_disaggregated_refuses_bad_requests_before_starting(requests, error, words):
     with pytest.raises(error, match=words):
         check_requests(requests, vocab_size=320, max_positions=512)
+
+
+# ---- the prefill side runs a real step ---------------------------------------------------------------------------
+def test_the_prefill_side_makes_the_first_token_in_one_engine_step_and_holds_the_blocks_until_released(tiny):
+    """The first token is born where every token is (update_from_output), in one scheduler step; the blocks stay held
+    until release, then every block is free; releasing twice, or a scheduler that does not hold, is refused."""
+    model, w = tiny
+    prefill, mgr, _ = _sides(w)
+    prompt = [2] + list(range(40, 49))  # 10 tokens: 3 blocks of 4
+    done = handover.prefill_request(prefill, Request(7, 0.0, len(prompt), 5, prompt_ids=prompt))
+    assert done.first_token == hf_greedy(model, prompt, 1, None)[0]
+    assert len(prefill.stats) == 1 and prefill.stats[0].prefill_tokens == len(prompt)
+    assert list(prefill.scheduler.held) == [7] and done.blocks == list(mgr.block_table(7))[:3]
+    assert done.request.output_len == 5  # what the decode side is asked for travels unchanged
+    prefill.scheduler.release(7)
+    assert mgr.num_free_blocks == 16 and not prefill.scheduler.held
+    with pytest.raises(ValueError, match="sequence 7 is not held"):
+        prefill.scheduler.release(7)
+    with pytest.raises(ValueError, match="prefill_engine"):
+        handover.prefill_request(
+            Engine(w, PagedKVCache.for_model(w, 16, 4)), Request(8, 0.0, 3, 2, prompt_ids=[2, 5, 6])
+        )
+
+
+def test_a_prefill_side_full_of_unsent_blocks_says_so_and_keeps_nothing_of_the_refused_request(tiny):
+    _, w = tiny
+    prefill, mgr, _ = _sides(w, num_blocks=4)
+    handover.prefill_request(prefill, Request(1, 0.0, 12, 3, prompt_ids=[2] + [9] * 11))  # 3 of 4 blocks held
+    with pytest.raises(RuntimeError, match=r"finished sequences \[1\] hold their blocks: release"):
+        handover.prefill_request(prefill, Request(2, 0.0, 9, 3, prompt_ids=[2] + [9] * 8))
+    assert not prefill.scheduler.has_work and list(prefill.scheduler.held) == [1]
+    prefill.scheduler.release(1)
+    assert mgr.num_free_blocks == 4

@@ -212,17 +212,16 @@ def test_a_refused_plan_leaves_the_chunked_engine_serving(tiny, chunked):
 
 
 def test_a_hand_over_into_a_full_decode_side_is_refused_and_leaks_nothing(tiny):
-    from lesson_utils.disagg.handover import hand_over
-    from lesson_utils.serving.model_runner import ModelRunner
+    from lesson_utils.disagg.handover import hand_over, prefill_engine
     from lesson_utils.types import OutOfBlocks, Request
 
     model, w = tiny
-    prefill = PagedKVCache.for_model(w, num_blocks=16, block_size=4)
+    prefill = prefill_engine(w, PagedKVCache.for_model(w, num_blocks=16, block_size=4))
     decode = Engine(w, PagedKVCache.for_model(w, num_blocks=3, block_size=4))
     prompt = GOOD * 4  # 16 tokens: 4 blocks, the decode side has 3
     with pytest.raises(OutOfBlocks):
-        hand_over(ModelRunner(w, prefill), prefill.manager, decode, Request(0, 0.0, 16, 4, prompt_ids=prompt))
-    assert _all_free(decode) and prefill.manager.num_free_blocks == 16 and not prefill.manager.tables
-    seq = hand_over(ModelRunner(w, prefill), prefill.manager, decode, Request(1, 0.0, 4, 3, prompt_ids=GOOD))
+        hand_over(prefill, decode, Request(0, 0.0, 16, 4, prompt_ids=prompt))
+    assert _all_free(decode) and _all_free(prefill) and not prefill.scheduler.held
+    seq = hand_over(prefill, decode, Request(1, 0.0, 4, 3, prompt_ids=GOOD))
     decode.run()
     assert seq.output_ids == hf_greedy(model, GOOD, 3, w.eos_token_id) and _all_free(decode)
