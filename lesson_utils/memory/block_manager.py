@@ -12,6 +12,18 @@ sequence finishes.
 
 Admission keeps a *watermark* of free blocks back (1 % by default, as vLLM): admitting a request that
 would leave no room for the running sequences to grow would only force a preemption a step later.
+
+The door, by who comes through it (everything else is private or accounting for plots and checkers):
+
+* the scheduler: ``check_admissible``, ``can_allocate``, ``allocate``, ``append_slot``, ``cache_computed``,
+  ``pop_copies``, ``block_is_free``, ``fork`` (forks and beams), and ``free`` - THE release, for a finished,
+  aborted or preempted sequence;
+* the caches: ``table_of`` (a sequence's table and token count, to build a step's slots);
+* lesson 06's swap space: ``block_table``, ``allocate_block``, ``share_block``, ``pending_copies``, and
+  ``adopt`` - THE install of a table of blocks already written;
+* lesson 09's hand-over: ``allocate_block`` / ``free_block`` (the transfer plan), ``adopt``;
+* a refused step: ``snapshot``; the engine's and the simulator's records: ``breakdown``, ``slot_kinds``,
+  ``external_fragmentation``, ``sharing``, ``num_cow``.
 """
 
 from __future__ import annotations
@@ -59,7 +71,7 @@ class BlockManager:
         return self.allocator.num_free
 
     # ---- hooks for sharing (lesson 05): nothing is ever shared here --------------------------------
-    def make_writable(self, seq_id: int, start: int, end: int) -> None:
+    def _make_writable(self, seq_id: int, start: int, end: int) -> None:
         """Before tokens ``start .. end - 1`` of ``seq_id`` are written: copy shared blocks (none here)."""
 
     def pop_copies(self) -> list[tuple[int, int]]:
@@ -78,7 +90,7 @@ class BlockManager:
         logical = sum(len(t.blocks) for t in self.tables.values())
         return logical, len({b for t in self.tables.values() for b in t.blocks})
 
-    def forget_prefix(self, seq_id: int) -> None:
+    def _forget_prefix(self, seq_id: int) -> None:
         """``seq_id`` leaves the GPU (swapped out): drop what the prefix cache keeps per sequence (nothing here)."""
 
     def external_fragmentation(self) -> float:
@@ -166,7 +178,7 @@ class BlockManager:
         table = self.tables.pop(seq_id, None)
         if table is None:
             raise ValueError(f"sequence {seq_id} holds no blocks (already freed, or never admitted)")
-        self.forget_prefix(seq_id)
+        self._forget_prefix(seq_id)
         self._free_blocks(self._release_order(table.blocks))
         return table
 

@@ -101,7 +101,7 @@ class SharingBlockManager(BlockManager):
         self.tables[child_id] = self._fork(self.tables[parent_id], self.pool)
         self._hashes[child_id] = list(self._hashes.get(parent_id, []))
 
-    def make_writable(self, seq_id: int, start: int, end: int) -> None:
+    def _make_writable(self, seq_id: int, start: int, end: int) -> None:
         """Copy-on-write every shared block that positions ``start .. end-1`` will be written into."""
         table = self.tables[seq_id]
         first, last = start // self.block_size, min(len(table.blocks), blocks_needed(end, self.block_size)) - 1
@@ -114,7 +114,7 @@ class SharingBlockManager(BlockManager):
     def pending_copies(self) -> list[tuple[int, int]]:
         return list(self._copies)
 
-    def forget_prefix(self, seq_id: int) -> None:
+    def _forget_prefix(self, seq_id: int) -> None:
         self._hashes.pop(seq_id, None)
 
     def pop_copies(self) -> list[tuple[int, int]]:
@@ -168,7 +168,7 @@ class SharingBlockManager(BlockManager):
         if extra + cows > self.pool.num_free:
             raise OutOfBlocks(f"sequence {seq.seq_id} needs {extra + cows} block(s); {self.pool.num_free} are free")
         self.ensure_capacity(seq.seq_id, seq.len + 1)
-        self.make_writable(seq.seq_id, seq.len - 1, seq.len + 1)
+        self._make_writable(seq.seq_id, seq.len - 1, seq.len + 1)
 
     def cache_computed(self, seq: Sequence) -> None:
         """Register the sequence's full blocks whose K/V are computed (``seq.kv_len``) and tokens known."""

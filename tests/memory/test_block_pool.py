@@ -282,12 +282,12 @@ def test_make_writable_records_the_copies_for_the_cache():
     m.fork(0, 1)
     full, partial = m.tables[0].blocks
     free_before = m.pool.num_free
-    m.make_writable(1, 6, 8)  # the child writes positions 6 and 7: only the partial block is copied
+    m._make_writable(1, 6, 8)  # the child writes positions 6 and 7: only the partial block is copied
     assert m.tables[1].blocks[0] == full and m.tables[1].blocks[1] not in (full, partial)
     assert m.tables[0].blocks == [full, partial]
     assert m.pop_copies() == [(partial, m.tables[1].blocks[1])] and m.pop_copies() == []
     assert m.pool.num_free == free_before - 1 and m.num_cow == 1
-    m.make_writable(0, 6, 8)  # the parent is now the partial block's only holder
+    m._make_writable(0, 6, 8)  # the parent is now the partial block's only holder
     assert m.pop_copies() == [] and m.tables[0].blocks == [full, partial]
     m.check_invariants()
 

@@ -252,10 +252,10 @@ class SharingMachine(RuleBasedStateMachine):
                 b = table.blocks[p // bs]
                 assert pool.ref_count[b] == 1 and b not in pool.hash_of
         copies = m.pop_copies()
-        # the cache's prepare: the same make_writable, which must find nothing left to copy
+        # the cache's prepare: the same _make_writable, which must find nothing left to copy
         free_before = pool.num_free
         for seq in batch:
-            m.make_writable(seq.seq_id, seq.kv_len, seq.len)
+            m._make_writable(seq.seq_id, seq.kv_len, seq.len)
         assert m.pop_copies() == [] and pool.num_free == free_before, "the forward pass would need blocks"
         for src, dst in copies:  # copy_block, in order, before any write
             # (a preempted victim's copy may land in a block it freed: harmless, nobody has written there yet)
