@@ -182,7 +182,7 @@ if "google.colab" in sys.modules:
     get_ipython().run_line_magic("pip", 'install --no-deps "{pip_target}"')  # noqa: F821 - IPython's
 if importlib.util.find_spec("lesson_utils") is None:
     raise SystemExit("lesson_utils is not installed: from the course folder run `pip install -e .` (see README).")
-from lesson_utils import env
+from lesson_utils.core import env
 
 P = env.setup()  # prints device, profile and versions; warns (never reinstalls) outside the tested range"""
 

@@ -151,8 +151,8 @@ def unified_kernel_bench(
     head_dim=64, block_size=16,
 ) -> list[KernelRow]:  # fmt: skip
     """Lesson 08's unified kernel against lesson 04's kernel on decodes (query length 1) and gather + SDPA on chunks,
-    per ``(seqs, query_len, context)``: :func:`lesson_utils.benchmark.time_unified_kernel`, with bytes."""
-    from lesson_utils.benchmark import time_unified_kernel
+    per ``(seqs, query_len, context)``: :func:`lesson_utils.lab.benchmark.time_unified_kernel`, with bytes."""
+    from lesson_utils.lab.benchmark import time_unified_kernel
 
     spreads = []  # time_unified_kernel takes a median-only timer: keep each call's (median, low, high) in call order
 
@@ -240,7 +240,7 @@ def cuda_sync_counter() -> Iterator[list]:
 @contextlib.contextmanager
 def discipline_sync_counter() -> Iterator[list]:
     """The device-discipline mode's count (a CPU standing for the GPU), in the same shape as :func:`cuda_sync_counter`."""
-    from lesson_utils import device_discipline as dd
+    from lesson_utils.core import device_discipline as dd
 
     found: list = []
     with dd.count_syncs() as c:
@@ -295,8 +295,8 @@ class IdentityStats:
 
 def identity_stats(model, w, prompts, max_new_tokens: int, *, references=None) -> list[IdentityStats]:
     """Every engine kind's greedy outputs against HF ``generate`` under the identity rule, the threshold calibrated
-    in the run (:func:`lesson_utils.identity.compare_all` with ``w``)."""
-    from lesson_utils import identity
+    in the run (:func:`lesson_utils.lab.identity.compare_all` with ``w``)."""
+    from lesson_utils.lab import identity
 
     if references is None:
         references = [identity.hf_greedy(model, p, max_new_tokens, w.eos_token_id) for p in prompts]

@@ -147,7 +147,7 @@ def run_checks(out: Path, *, notebooks: bool, only: str | None, budget_s: float)
     import torch
 
     from course_tools import gpu_checks as G
-    from lesson_utils import env
+    from lesson_utils.core import env
     from lesson_utils.model.loading import load_model
     from lesson_utils.model.opt_forward import OPTWeights
 

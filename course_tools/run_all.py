@@ -14,9 +14,9 @@ whose environment has
 * ``COURSE_HEADLESS=1`` - the plotting helpers draw static figures;
 * ``COURSE_STRICT=1`` for solution notebooks unless ``--no-strict`` - checkers raise instead of printing
   (student notebooks never run strict: the variable is removed from their environment);
-* ``COURSE_PROFILE`` when ``--profile`` is given (else the kernel chooses, see ``lesson_utils.env``);
+* ``COURSE_PROFILE`` when ``--profile`` is given (else the kernel chooses, see ``lesson_utils.core.env``);
 * ``COURSE_DEVICE_DISCIPLINE=1`` for the kinds ``--device-discipline`` names (CI: the solutions) - on a CPU,
-  tensors made on the wrong device then fail as they would on a GPU (``lesson_utils.device_discipline``);
+  tensors made on the wrong device then fail as they would on a GPU (``lesson_utils.core.device_discipline``);
 * the repository root (and the checkout this ``lesson_utils`` runs from) first on ``PYTHONPATH`` - the
   checkout's ``lesson_utils`` is the one tested, installed or not;
 * this interpreter's folder first on ``PATH`` - the kernel runs the same Python as this command.
@@ -79,7 +79,7 @@ _PROBE = """\
 def __course_probe():
     import json
     try:
-        from lesson_utils import env
+        from lesson_utils.core import env
         p = env.get_profile()
         info = {"profile": p.name, "device_name": p.device_name, "versions": env.versions()}
     except Exception as exc:

@@ -1,7 +1,7 @@
 """Loaded before any test module: Triton must be in its interpreter (on a machine without CUDA) before any
 test defines a kernel - Triton fixes the mode when a kernel is defined."""
 
-from lesson_utils import env
+from lesson_utils.core import env
 
 env.configure_triton()
 
@@ -24,7 +24,7 @@ def not_strict(monkeypatch):
 def tiny():
     """The ci profile's tiny random OPT (2 layers, hidden 64, vocab 320, 512 positions) and its weights,
     as ``(hf_model, OPTWeights)``: loaded once per test process (each xdist worker has its own)."""
-    from lesson_utils.env import Profile
+    from lesson_utils.core.env import Profile
     from lesson_utils.model.loading import load_model
     from lesson_utils.model.opt_forward import OPTWeights
 

@@ -10,7 +10,7 @@ bound by kernel launches and Python rather than by the GPU; replace them with th
 
 from dataclasses import replace
 
-from lesson_utils import benchmark, workloads
+from lesson_utils.lab import benchmark, workloads
 from lesson_utils.memory import reservation
 from lesson_utils.memory.block_manager import BlockManager
 from lesson_utils.memory.sharing import SharingBlockManager

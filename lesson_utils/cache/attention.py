@@ -5,7 +5,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from lesson_utils.host_copy import move, to_device
+from lesson_utils.core.host_copy import move, to_device
 from lesson_utils.memory.block_table import blocks_needed
 
 
@@ -74,7 +74,7 @@ def decode_slot_index(first_slots_or_tables, context_lens: list[int], block_size
     ``table[p // block_size] * block_size + p % block_size``. A contiguous arena passes each sequence's first
     slot and ``block_size=None``: token ``p`` lives in slot ``first + p``. Entries past a sequence's context
     repeat its last slot (any valid slot would do: :func:`decode_attention` masks them out). Computed on the
-    host and copied to ``device`` without a wait (:mod:`lesson_utils.host_copy`).
+    host and copied to ``device`` without a wait (:mod:`lesson_utils.core.host_copy`).
     """
     max_ctx = max(context_lens)
     pos = torch.arange(max_ctx)[None, :].minimum(torch.tensor(context_lens)[:, None] - 1)  # [num_seqs, max_ctx]

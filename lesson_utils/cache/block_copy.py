@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lesson_utils.host_copy import to_device
+from lesson_utils.core.host_copy import to_device
 
 
 @dataclass(frozen=True)

@@ -6,9 +6,9 @@ import torch
 
 from lesson_utils.cache.attention import fused_attention_over_context
 from lesson_utils.cache.seam import AttentionMetadata, StepBatch
-from lesson_utils.host_copy import to_device
+from lesson_utils.core.host_copy import to_device
+from lesson_utils.core.types import NeverFits
 from lesson_utils.memory.contiguous import FirstFitAllocator
-from lesson_utils.types import NeverFits
 
 
 def slot_mapping(batch: StepBatch, region_starts: list[int]) -> torch.Tensor:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from lesson_utils.cache.block_copy import SlotTensors
-from lesson_utils.host_copy import wants_pinned
+from lesson_utils.core.host_copy import wants_pinned
 
 
 class HostBlocks:

@@ -31,7 +31,7 @@ from lesson_utils.cache.block_copy import SlotTensors
 from lesson_utils.cache.paged import PagedKVCache
 from lesson_utils.cache.paged_metadata import MetadataNeeds
 from lesson_utils.cache.quantize import KVQuantError, dequantize_kv, quantize_finite_kv, quantize_kv
-from lesson_utils.device_discipline import acts_as_gpu
+from lesson_utils.core.device_discipline import acts_as_gpu
 from lesson_utils.kernels.int8_kv import int8_paged_attention_decode, write_int8_kv_to_cache
 
 

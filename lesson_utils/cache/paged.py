@@ -28,8 +28,8 @@ from lesson_utils.cache.attention import decode_attention, fused_attention_over_
 from lesson_utils.cache.block_copy import SlotTensors, pack_blocks, restore_blocks, save_blocks, unpack_blocks
 from lesson_utils.cache.paged_metadata import MetadataNeeds, build_paged_metadata
 from lesson_utils.cache.seam import StepBatch
-from lesson_utils.device_discipline import acts_as_gpu, synchronize
-from lesson_utils.host_copy import to_device, wants_pinned
+from lesson_utils.core.device_discipline import acts_as_gpu, synchronize
+from lesson_utils.core.host_copy import to_device, wants_pinned
 from lesson_utils.memory.block_manager import BlockManager
 
 

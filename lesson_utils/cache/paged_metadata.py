@@ -5,7 +5,7 @@ sequence at a time, or the decodes through one padded gather), lesson 04's decod
 kernel, lesson 10's int8 variants of both. Each path reads a different subset of the same facts - where every new
 token goes, each sequence's blocks, where its queries start, how long its context is - in the dtype its kernel
 takes. :func:`build_paged_metadata` works them all out in one place from the host-side block tables, copies each to
-the device once (pinned, without a wait: :mod:`lesson_utils.host_copy`), and builds only what the cache's
+the device once (pinned, without a wait: :mod:`lesson_utils.core.host_copy`), and builds only what the cache's
 :class:`MetadataNeeds` ask for; ``write`` and ``attend`` then read fields and re-derive nothing, every layer.
 (vLLM v1's attention-backend metadata builders play this part there.)
 
@@ -24,7 +24,7 @@ import torch
 
 from lesson_utils.cache.attention import decode_slot_index
 from lesson_utils.cache.seam import AttentionMetadata, StepBatch, mark_decodes
-from lesson_utils.host_copy import to_device
+from lesson_utils.core.host_copy import to_device
 from lesson_utils.memory.block_table import blocks_needed
 
 

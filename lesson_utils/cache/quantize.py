@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from lesson_utils.types import KVQuantError, check_finite, token_of
+from lesson_utils.core.types import KVQuantError, check_finite, token_of
 
 QMAX = 127
 __all__ = [

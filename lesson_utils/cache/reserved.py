@@ -1,7 +1,7 @@
 from __future__ import annotations
 
+from lesson_utils.core.types import NeverFits
 from lesson_utils.memory.reservation import ContiguousReservationManager
-from lesson_utils.types import NeverFits
 
 
 class ReservedKVCache:
@@ -23,7 +23,7 @@ class ReservedKVCache:
         import torch
 
         from lesson_utils.cache.contiguous import slot_mapping
-        from lesson_utils.device_discipline import acts_as_gpu
+        from lesson_utils.core.device_discipline import acts_as_gpu
 
         self.manager = manager
         shape = (num_layers, manager.total_slots, num_kv_heads, head_dim)

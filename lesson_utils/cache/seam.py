@@ -18,7 +18,7 @@ from typing import Protocol
 
 import torch
 
-from lesson_utils.host_copy import to_device
+from lesson_utils.core.host_copy import to_device
 
 
 @dataclass
@@ -86,7 +86,7 @@ class StepBatch:
     @classmethod
     def build(cls, seq_ids, new_tokens, context_before, device="cpu") -> "StepBatch":
         """Make a step from each sequence's new token ids and how many tokens it already had cached (ids and
-        positions built on the host and copied without a wait: :mod:`lesson_utils.host_copy`)."""
+        positions built on the host and copied without a wait: :mod:`lesson_utils.core.host_copy`)."""
         if not (len(seq_ids) == len(new_tokens) == len(context_before)):
             raise ValueError("seq_ids, new_tokens and context_before must have the same length")
         ids, pos, qlens, clens = [], [], [], []

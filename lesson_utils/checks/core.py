@@ -37,9 +37,8 @@ def is_strict() -> bool:
 def case_device():
     """Where checkers build their cases: the profile's device, as the lesson's own code will use them (a
     function that only works on CPU tensors must fail its check, not the GPU run after it)."""
-    from lesson_utils import device_discipline
-
-    from ..env import get_profile
+    from lesson_utils.core import device_discipline
+    from lesson_utils.core.env import get_profile
 
     if device_discipline.active() is not None:  # a test's device-discipline block: its device stands for the GPU
         return str(device_discipline.DEVICE)
@@ -116,7 +115,7 @@ def show_message(message: str) -> None:
     """Print a check result: plain, folded text headless (and in tests); in a live notebook the same text in
     a coloured box with a mark, with the plain text as its fallback."""
     text = wrapped(message)
-    from ..plotting import is_headless
+    from lesson_utils.lab.plotting import is_headless
 
     shell = None
     if not is_headless():

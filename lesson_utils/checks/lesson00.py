@@ -5,9 +5,9 @@ from __future__ import annotations
 import random
 from types import SimpleNamespace
 
-from lesson_utils import kv_math
+from lesson_utils.lab import kv_math
+from lesson_utils.lab.decoding import Stepper, decode_with_cache
 
-from ..decoding import Stepper, decode_with_cache
 from .core import CheckResult, check_function, failed, not_implemented, passed, short
 
 

@@ -6,8 +6,8 @@ import random
 
 import numpy as np
 
+from lesson_utils.core.types import SlotKind
 from lesson_utils.memory import reservation as R
-from lesson_utils.types import SlotKind
 
 from .core import CheckResult, check_function
 

@@ -8,9 +8,9 @@ import torch
 
 from lesson_utils.cache import attention, paged
 from lesson_utils.cache.seam import StepBatch
+from lesson_utils.core.types import OutOfBlocks
 from lesson_utils.memory import block_table as bt
 from lesson_utils.memory.block_allocator import BlockAllocator
-from lesson_utils.types import OutOfBlocks
 
 from .core import CheckResult, case_device, check_function, failed, not_implemented, passed
 

@@ -13,9 +13,9 @@ import triton
 import triton.language as tl
 
 from lesson_utils.cache import attention
+from lesson_utils.core.device_discipline import kernel_launch
 from lesson_utils.kernels import paged_attention as K
 
-from ..device_discipline import kernel_launch
 from .core import CheckResult, case_device, failed, not_implemented, passed
 
 PROBE_PAD = 1024  # table entries on each side of a probe's table: a wrong index reads padding, not foreign memory

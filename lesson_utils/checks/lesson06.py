@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import itertools
 
+from lesson_utils.core.types import Request, Sequence
 from lesson_utils.memory import swap
 from lesson_utils.serving import scheduler as S
-from lesson_utils.types import Request, Sequence
 
 from .core import CheckResult, failed, not_implemented, passed
 

@@ -7,13 +7,13 @@ from dataclasses import dataclass
 import torch
 
 from lesson_utils.cache.paged import PagedKVCache
-from lesson_utils.kv_math import predict_capacity
+from lesson_utils.core.progress import busy
+from lesson_utils.core.types import OutOfBlocks
+from lesson_utils.lab.kv_math import predict_capacity
 from lesson_utils.memory.sharing import SharingBlockManager
-from lesson_utils.progress import busy
 from lesson_utils.serving.engine import Engine
 from lesson_utils.serving.model_runner import ModelRunner
 from lesson_utils.serving.step import serve_step
-from lesson_utils.types import OutOfBlocks
 
 from .core import (
     CheckResult,

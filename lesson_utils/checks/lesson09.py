@@ -7,10 +7,10 @@ import copy
 import torch
 
 from lesson_utils.cache.block_copy import pack_blocks, unpack_blocks
+from lesson_utils.core.types import OutOfBlocks
 from lesson_utils.disagg.transfer import TransferPlan, transfer_plan
 from lesson_utils.memory.block_manager import BlockManager
 from lesson_utils.memory.block_table import BlockTable
-from lesson_utils.types import OutOfBlocks
 
 from .core import CheckResult, case_device, failed, not_implemented, passed, short
 

@@ -8,8 +8,8 @@ from types import SimpleNamespace
 
 import torch
 
-from lesson_utils import kv_math
 from lesson_utils.cache import quantize as Q
+from lesson_utils.lab import kv_math
 
 from .core import CheckResult, case_device, check_function, expect_error, failed, not_implemented, passed, short
 

@@ -26,10 +26,10 @@ from typing import Callable
 import torch
 
 from lesson_utils.cache.block_copy import pack_blocks, unpack_blocks
+from lesson_utils.core.types import Request, Sequence, SequenceStatus
 from lesson_utils.disagg.transfer import transfer_plan
 from lesson_utils.memory.block_table import blocks_needed
 from lesson_utils.serving.engine import Engine
-from lesson_utils.types import Request, Sequence, SequenceStatus
 
 
 @dataclass(frozen=True)
@@ -110,7 +110,7 @@ def receive(
     adopt_fn: Callable = _adopt,
 ) -> Sequence:
     """Decode side: the request joins ``engine``'s running batch with its K/V (``payload``, from a pack) in blocks
-    of its own, and its first token already generated. Returns its :class:`~lesson_utils.types.Sequence`; one
+    of its own, and its first token already generated. Returns its :class:`~lesson_utils.core.types.Sequence`; one
     that is already finished is returned as such, holding no block, and is never decoded. On any error every
     block taken here is given back before the error is raised."""
     req = prefilled.request

@@ -61,7 +61,7 @@ class DisaggConfig:
         of seconds): ``startup_s``, or by profile gpu 180, cpu 90, ci 60."""
         if self.startup_s is not None:
             return float(self.startup_s)
-        from lesson_utils.env import get_profile
+        from lesson_utils.core.env import get_profile
 
         return float(get_profile().pick(gpu=180, cpu=90, ci=60))
 
@@ -144,8 +144,8 @@ def _start_clock(cfg: DisaggConfig):
 def _warm_up_prefill(cfg: DisaggConfig, engine, results) -> None:
     """One prefill and one staging copy of the prefill worker's own, released again; its time is reported."""
     from lesson_utils.cache.block_copy import pack_blocks
+    from lesson_utils.core.types import Request
     from lesson_utils.disagg.handover import prefill_request
-    from lesson_utils.types import Request
 
     if not cfg.warmup:
         return
@@ -170,8 +170,8 @@ def prefill_worker(rank: int, cfg: DisaggConfig, requests: list[tuple], results,
     """Prefill each ``(req_id, prompt_ids, max_new_tokens[, arrival_s])`` once it has arrived (seconds after both
     workers are ready), send its blocks to the decode worker, free them."""
     from lesson_utils.cache.block_copy import pack_blocks
+    from lesson_utils.core.types import Request
     from lesson_utils.disagg.handover import prefill_engine, prefill_request
-    from lesson_utils.types import Request
 
     sent = 0
     manager = None
@@ -257,9 +257,9 @@ def decode_worker(rank: int, cfg: DisaggConfig, results, faults: Faults = Faults
     """Receive prefilled requests and decode them; report each one's tokens, and that every block came back."""
     import threading
 
+    from lesson_utils.core.types import Request
     from lesson_utils.disagg.handover import Prefilled, finishes_at_once, receive
     from lesson_utils.serving.engine import Engine
-    from lesson_utils.types import Request
 
     manager = None
     try:

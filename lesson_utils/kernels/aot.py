@@ -283,7 +283,9 @@ def compile_report(
 ) -> list[CompileResult]:
     """Compile ``configs`` (default: :func:`course_configs`) for every target of ``TARGETS`` (sm_75, sm_80, sm_89,
     sm_90) in a clean subprocess; ``progress`` shows a bar that moves with every compile (a few seconds each)."""
-    environ = dict(os.environ, TRITON_INTERPRET="0")  # "0", not unset: lesson_utils.env only fills it in when absent
+    environ = dict(
+        os.environ, TRITON_INTERPRET="0"
+    )  # "0", not unset: lesson_utils.core.env only fills it in when absent
     environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
     payload = json.dumps([asdict(c) for c in configs] if configs else None)
     bar, other = None, []

@@ -21,10 +21,10 @@ import torch
 import triton
 import triton.language as tl
 
-from lesson_utils.device_discipline import check_kernel_args, kernel_launch
+from lesson_utils.core.device_discipline import check_kernel_args, kernel_launch
+from lesson_utils.core.types import check_finite
 from lesson_utils.kernels.paged_attention import paged_attention_decode
 from lesson_utils.kernels.unified_attention import unified_attention
-from lesson_utils.types import check_finite
 
 
 @triton.jit

@@ -8,7 +8,7 @@
 * :func:`write_kv_to_cache` - stores a step's new K/V into their slots (vLLM's "reshape and cache"),
   for any ``num_kv_heads * head_dim`` (OPT-125m's 768 is not a power of two).
 
-On CUDA the kernels are compiled; on a CPU they run in Triton's interpreter, which ``lesson_utils.env``
+On CUDA the kernels are compiled; on a CPU they run in Triton's interpreter, which ``lesson_utils.core.env``
 switches on (``TRITON_INTERPRET=1``) before this module defines them. The interpreter checks
 correctness, not speed: every program and loop step runs as Python.
 
@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lesson_utils.device_discipline import check_kernel_args, kernel_launch
+from lesson_utils.core.device_discipline import check_kernel_args, kernel_launch
 
 __all__ = [
     "block_slots",

@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lesson_utils.device_discipline import check_kernel_args, kernel_launch
+from lesson_utils.core.device_discipline import check_kernel_args, kernel_launch
 from lesson_utils.kernels.paged_attention import block_slots, load_tile
 
 

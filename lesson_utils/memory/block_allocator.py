@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from lesson_utils.types import OutOfBlocks
+from lesson_utils.core.types import OutOfBlocks
 
 
 class BlockIds:

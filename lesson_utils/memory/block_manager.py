@@ -2,7 +2,7 @@
 
 It owns the :class:`~lesson_utils.memory.block_allocator.BlockAllocator` and one
 :class:`~lesson_utils.memory.block_table.BlockTable` per sequence, and speaks the scheduler's
-:class:`~lesson_utils.types.MemoryManager` interface, so the very same object serves the real
+:class:`~lesson_utils.core.types.MemoryManager` interface, so the very same object serves the real
 engine (through :class:`~lesson_utils.cache.paged.PagedKVCache`) and the memory-accounting simulator.
 
 Invariants: a block is held by at most one table (sharing arrives in lesson 05); the blocks held by all
@@ -32,11 +32,11 @@ from typing import Callable
 
 import numpy as np
 
+from lesson_utils.core.state import capture
+from lesson_utils.core.types import FREE, INTERNAL, TOKEN, NeverFits, OutOfBlocks, Sequence, SlotKind
 from lesson_utils.memory.block_allocator import BlockAllocator
 from lesson_utils.memory.block_table import BlockTable, blocks_needed, grow_block_table
 from lesson_utils.memory.snapshot import BlockSnapshot
-from lesson_utils.state import capture
-from lesson_utils.types import FREE, INTERNAL, TOKEN, NeverFits, OutOfBlocks, Sequence, SlotKind
 
 
 class BlockManager:

@@ -25,8 +25,8 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
+from lesson_utils.core.types import OutOfBlocks
 from lesson_utils.memory.block_allocator import BlockIds
-from lesson_utils.types import OutOfBlocks
 
 NO_PARENT = None
 

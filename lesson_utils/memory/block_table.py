@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
-from lesson_utils.state import Record
+from lesson_utils.core.state import Record
 
 
 def blocks_needed(num_tokens: int, block_size: int) -> int:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from lesson_utils.types import NeverFits, OutOfSlots
+from lesson_utils.core.types import NeverFits, OutOfSlots
 
 Hole = tuple[int, int]  # (start, length)
 

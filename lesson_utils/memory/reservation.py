@@ -19,10 +19,10 @@ from __future__ import annotations
 
 import numpy as np
 
+from lesson_utils.core.state import capture
+from lesson_utils.core.types import FREE, INTERNAL, RESERVED, TOKEN, NeverFits, Sequence, SlotKind
 from lesson_utils.memory.contiguous import FirstFitAllocator
 from lesson_utils.memory.snapshot import MemorySnapshot
-from lesson_utils.state import capture
-from lesson_utils.types import FREE, INTERNAL, RESERVED, TOKEN, NeverFits, Sequence, SlotKind
 
 POLICIES = ("max", "pow2", "oracle")
 

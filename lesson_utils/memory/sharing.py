@@ -20,10 +20,10 @@ from __future__ import annotations
 
 from typing import Callable
 
+from lesson_utils.core.types import OutOfBlocks, Sequence, SlotKind
 from lesson_utils.memory.block_manager import BlockManager
 from lesson_utils.memory.block_pool import NO_PARENT, BlockPool, block_hash
 from lesson_utils.memory.block_table import BlockTable, blocks_needed
-from lesson_utils.types import OutOfBlocks, Sequence, SlotKind
 
 
 def fork_table(parent: BlockTable, pool: BlockPool) -> BlockTable:

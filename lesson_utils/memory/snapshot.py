@@ -2,7 +2,7 @@
 
 A step changes block tables, reference counts, the free queue and the prefix cache before the forward pass, and
 may hand a block freed in it (a preempted sequence's) to someone else, who then writes into it. Putting the
-bookkeeping back is :func:`~lesson_utils.state.capture`'s job; the *data* such a block held must be saved before
+bookkeeping back is :func:`~lesson_utils.core.state.capture`'s job; the *data* such a block held must be saved before
 it is overwritten, so a snapshot also says which blocks those are (:meth:`BlockSnapshot.blocks_to_protect`).
 
 Invariant: after ``restore()``, every table, count, free queue and cached hash is what it was at the snapshot; the
@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
-from lesson_utils.state import Captured
+from lesson_utils.core.state import Captured
 
 
 @dataclass

@@ -19,10 +19,10 @@ from __future__ import annotations
 
 from typing import Callable
 
+from lesson_utils.core.state import capture
 from lesson_utils.memory.block_pool import BlockPool
 from lesson_utils.memory.block_table import BlockTable
 from lesson_utils.memory.snapshot import BlockSnapshot
-from lesson_utils.state import capture
 
 
 def swap_mapping(

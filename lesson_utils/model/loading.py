@@ -26,8 +26,8 @@ from urllib.parse import urlparse
 
 import torch
 
-from lesson_utils.env import Profile, get_profile
-from lesson_utils.progress import busy
+from lesson_utils.core.env import Profile, get_profile
+from lesson_utils.core.progress import busy
 
 DEFAULT_MODEL = "facebook/opt-125m"
 

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from lesson_utils.cache.seam import KVCache, StepBatch
-from lesson_utils.host_copy import to_device
+from lesson_utils.core.host_copy import to_device
 
 POSITION_OFFSET = 2  # OPT's learned position table starts at row 2 (a fairseq padding convention)
 

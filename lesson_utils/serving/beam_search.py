@@ -16,7 +16,7 @@ from typing import Callable
 
 import torch
 
-from lesson_utils.types import Sequence, SequenceStatus
+from lesson_utils.core.types import Sequence, SequenceStatus
 
 
 @dataclass(eq=False)

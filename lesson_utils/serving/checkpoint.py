@@ -6,7 +6,7 @@ error reaches its caller, so every sequence, queue, block table, reference count
 swap-space table and counter is as it was before the step. The caller can then abort the sequence the error names
 and serve on: the others continue exactly as they would have without it.
 
-Bookkeeping is captured with :func:`~lesson_utils.state.capture` (the scheduler, every sequence it holds and their
+Bookkeeping is captured with :func:`~lesson_utils.core.state.capture` (the scheduler, every sequence it holds and their
 beam groups) and by the memory manager's and swap space's own ``snapshot()``. K/V *data* needs care only where the
 step hands out a block that held a token at the checkpoint (a preempted sequence's block given to another in the
 same step, a cached prefix evicted, a CPU block a swap-in freed and a swap-out reuses): the runner calls
@@ -22,7 +22,7 @@ from itertools import chain
 
 import torch
 
-from lesson_utils.state import Captured, capture
+from lesson_utils.core.state import Captured, capture
 
 
 @dataclass

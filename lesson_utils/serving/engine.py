@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 import torch
 
 from lesson_utils.cache.host_blocks import HostBlocks
+from lesson_utils.core.types import Request, Sequence, SequenceStatus, SlotKind
 from lesson_utils.model.opt_forward import OPTWeights
 from lesson_utils.serving.beam_search import BeamGroup
 from lesson_utils.serving.checkpoint import StepCheckpoint
@@ -39,7 +40,6 @@ from lesson_utils.serving.output import StepPlan
 from lesson_utils.serving.scheduler import FCFSScheduler
 from lesson_utils.serving.step import StepResult, serve_step
 from lesson_utils.serving.token_budget import ChunkedPrefill
-from lesson_utils.types import Request, Sequence, SequenceStatus, SlotKind
 
 
 def check_token_ids(ids, vocab_size: int, what: str = "prompt") -> list[int]:

@@ -7,7 +7,7 @@ from typing import Callable
 
 import torch
 
-from lesson_utils.types import Sequence, SequenceStatus
+from lesson_utils.core.types import Sequence, SequenceStatus
 
 
 def fork_samples(parent: Sequence, manager, new_seq_id: Callable[[], int]) -> list[Sequence]:

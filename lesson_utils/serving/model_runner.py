@@ -8,10 +8,10 @@ import torch
 
 from lesson_utils.cache.host_blocks import HostBlocks
 from lesson_utils.cache.seam import StepBatch
-from lesson_utils.host_copy import to_device
+from lesson_utils.core.host_copy import to_device
+from lesson_utils.core.types import Sequence
 from lesson_utils.model.opt_forward import OPTWeights, forward
 from lesson_utils.serving.output import RunnerOutput, StepPlan
-from lesson_utils.types import Sequence
 
 
 class ModelRunner:

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from lesson_utils.types import Sequence
+from lesson_utils.core.types import Sequence
 
 
 @dataclass

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from lesson_utils.types import Sequence
+from lesson_utils.core.types import Sequence
 
 
 def most_recently_admitted(running: list[Sequence]) -> Sequence:

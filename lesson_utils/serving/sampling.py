@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from lesson_utils.host_copy import to_device
-from lesson_utils.types import Sequence
+from lesson_utils.core.host_copy import to_device
+from lesson_utils.core.types import Sequence
 
 
 def next_tokens(seqs: list[Sequence], logits: torch.Tensor) -> list[int]:

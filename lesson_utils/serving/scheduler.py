@@ -2,7 +2,7 @@
 ``update_from_output(plan, output) -> finished``.
 
 The scheduler knows nothing about *how* memory is laid out: it asks a memory manager
-(:class:`~lesson_utils.types.MemoryManager`) whether a request fits, tells it when a sequence grows by a token and
+(:class:`~lesson_utils.core.types.MemoryManager`) whether a request fits, tells it when a sequence grows by a token and
 when it finishes. Lesson 02 plugs in contiguous reservations (Max / Pow2 / Oracle), lesson 03 a block manager;
 the same scheduler then drives either a real model (the engine) or the memory-accounting runner (the simulator).
 
@@ -18,13 +18,13 @@ from typing import Callable
 
 import torch
 
-from lesson_utils.host_copy import to_device
+from lesson_utils.core.host_copy import to_device
+from lesson_utils.core.types import MemoryManager, OutOfBlocks, Sequence, SequenceStatus
 from lesson_utils.serving import sampling
 from lesson_utils.serving.forks import fork_samples
 from lesson_utils.serving.output import RunnerOutput, StepPlan
 from lesson_utils.serving.preemption import PreemptionEvent, most_recently_admitted, reset_for_recompute
 from lesson_utils.serving.token_budget import ChunkedPrefill, QueueView, TokenState, check_chunks, whole_prompts
-from lesson_utils.types import MemoryManager, OutOfBlocks, Sequence, SequenceStatus
 
 
 def _positive(value, what: str) -> None:

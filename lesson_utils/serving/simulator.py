@@ -23,11 +23,11 @@ from typing import Callable
 
 import numpy as np
 
+from lesson_utils.core.types import MemoryManager, Request, Sequence, SlotKind
 from lesson_utils.serving.cost_model import StepCost, StepWork
 from lesson_utils.serving.output import RunnerOutput, StepPlan
 from lesson_utils.serving.scheduler import FCFSScheduler
 from lesson_utils.serving.step import serve_step
-from lesson_utils.types import MemoryManager, Request, Sequence, SlotKind
 
 KINDS = tuple(SlotKind)  # the breakdown's keys, in memory-map order
 

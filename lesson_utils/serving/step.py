@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+from lesson_utils.core.types import Sequence
 from lesson_utils.serving.output import StepPlan
-from lesson_utils.types import Sequence
 
 
 class StepResult(NamedTuple):

@@ -10,10 +10,10 @@ import random
 import pytest
 import torch
 
-from lesson_utils import kv_math
 from lesson_utils.cache import quantize as Q
 from lesson_utils.cache.int8_paged import Int8PagedKVCache
 from lesson_utils.cache.paged import PagedKVCache
+from lesson_utils.lab import kv_math
 from lesson_utils.memory.block_manager import BlockManager
 from lesson_utils.memory.sharing import SharingBlockManager
 from lesson_utils.memory.swap import SwapSpace

@@ -21,7 +21,7 @@ from transformers import OPTForCausalLM
 from lesson_utils.cache import paged
 from lesson_utils.cache.dense import DenseKVCache
 from lesson_utils.cache.seam import StepBatch
-from lesson_utils.env import Profile
+from lesson_utils.core.env import Profile
 from lesson_utils.model import loading as model_mod
 from lesson_utils.model.loading import ByteTokenizer, LoadedModel, load_model, opt125m_config, tiny_opt_config
 from lesson_utils.model.opt_forward import OPTWeights, forward, generate_greedy

@@ -18,9 +18,9 @@ from lesson_utils.cache.attention import (
 )
 from lesson_utils.cache.dense import DenseKVCache
 from lesson_utils.cache.paged import PagedKVCache, gather_kv
+from lesson_utils.core.types import Request, Sequence
 from lesson_utils.memory.block_manager import BlockManager
 from lesson_utils.memory.block_table import blocks_needed
-from lesson_utils.types import Request, Sequence
 
 # ---------------------------------------------------------------------------------------------------
 # paged_attention_reference vs contiguous attention

@@ -9,13 +9,13 @@ import torch
 from helpers import ReservesSlots, ReservingPagedKVCache, random_step
 from torch.overrides import TorchFunctionMode
 
-from lesson_utils import device_discipline as dd
 from lesson_utils.cache.attention import decode_slot_index
 from lesson_utils.cache.int8_paged import Int8PagedKVCache
 from lesson_utils.cache.paged import slot_mapping
 from lesson_utils.cache.paged_metadata import MetadataNeeds, PagedMetadata, build_paged_metadata
 from lesson_utils.cache.triton_paged import TritonPagedKVCache, UnifiedTritonKVCache
-from lesson_utils.device_discipline import DEVICE, discipline
+from lesson_utils.core import device_discipline as dd
+from lesson_utils.core.device_discipline import DEVICE, discipline
 from lesson_utils.memory.block_manager import BlockManager
 from lesson_utils.memory.block_table import blocks_needed
 

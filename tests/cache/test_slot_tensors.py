@@ -13,10 +13,10 @@ from lesson_utils.cache.host_blocks import HostBlocks
 from lesson_utils.cache.int8_paged import Int8PagedKVCache
 from lesson_utils.cache.paged import PagedKVCache
 from lesson_utils.cache.triton_paged import TritonPagedKVCache, UnifiedTritonKVCache
+from lesson_utils.core.types import Request
 from lesson_utils.disagg.handover import Prefilled, hand_over, prefill_engine, prefill_request, receive
 from lesson_utils.memory.block_manager import BlockManager
 from lesson_utils.serving.engine import Engine
-from lesson_utils.types import Request
 
 NUM_BLOCKS, BS = 8, 4
 CACHES = {

@@ -8,10 +8,10 @@ import pytest
 import torch
 from helpers import merge_unchecked, rejected
 
-from lesson_utils import decoding, kv_math
 from lesson_utils.cache import attention, paged
 from lesson_utils.cache import contiguous as contiguous_cache
 from lesson_utils.checks import ExerciseFailed, lesson00, lesson01, lesson02
+from lesson_utils.lab import decoding, kv_math
 from lesson_utils.memory import contiguous
 from lesson_utils.memory import reservation as R
 
@@ -75,7 +75,7 @@ def test_opt125m_is_36_kib():
 
 @pytest.fixture(scope="module")
 def tiny_weights():
-    from lesson_utils.env import Profile
+    from lesson_utils.core.env import Profile
     from lesson_utils.model.loading import load_model
     from lesson_utils.model.opt_forward import OPTWeights
 
@@ -209,9 +209,9 @@ def test_external_fragmentation_checker():
 
 def test_classify_matches_manager_breakdown():
     """The exercise's classification and the simulator's counts agree on a live manager."""
-    from lesson_utils import workloads
+    from lesson_utils.core.types import Sequence
+    from lesson_utils.lab import workloads
     from lesson_utils.serving.scheduler import FCFSScheduler
-    from lesson_utils.types import Sequence
 
     m = R.ContiguousReservationManager(4096, "pow2", max_seq_len=512)
     s = FCFSScheduler(m)
@@ -262,7 +262,7 @@ def test_block_allocator_checker():
     class HandsOutHeldBlocks(BlockAllocator):
         def allocate(self):
             if not self._free_queue:
-                from lesson_utils.types import OutOfBlocks
+                from lesson_utils.core.types import OutOfBlocks
 
                 raise OutOfBlocks("empty")
             return self._free_queue[0]  # forgets to remove it

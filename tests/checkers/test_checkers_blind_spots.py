@@ -23,10 +23,10 @@ from helpers import rejected
 
 from lesson_utils.cache import attention, paged
 from lesson_utils.checks import lesson02, lesson03, lesson04, lesson07, lesson08
+from lesson_utils.core.types import OutOfBlocks
 from lesson_utils.memory import reservation as R
 from lesson_utils.memory.block_allocator import BlockAllocator
 from lesson_utils.serving.token_budget import budgeted_schedule
-from lesson_utils.types import OutOfBlocks
 
 pytestmark = pytest.mark.usefixtures("not_strict")
 

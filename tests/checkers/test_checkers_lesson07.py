@@ -14,7 +14,7 @@ pytestmark = pytest.mark.usefixtures("not_strict")
 
 @pytest.fixture(scope="module")
 def w():
-    from lesson_utils.env import Profile
+    from lesson_utils.core.env import Profile
     from lesson_utils.model.loading import load_model
     from lesson_utils.model.opt_forward import OPTWeights
 
@@ -57,7 +57,7 @@ def test_mistakes(w):
 
 
 # ---- exercise 07-2: predict_capacity -----------------------------------------------------------------------
-from lesson_utils.kv_math import Capacity, predict_capacity  # noqa: E402
+from lesson_utils.lab.kv_math import Capacity, predict_capacity  # noqa: E402
 
 
 def _capacity(budget, max_len, bs, held, *, blocks=None, budget_blocks=None, skip=False, of_held=False):

@@ -8,9 +8,9 @@ from helpers import rejected
 
 from lesson_utils.cache.block_copy import pack_blocks, unpack_blocks
 from lesson_utils.checks import lesson09
+from lesson_utils.core.types import OutOfBlocks
 from lesson_utils.disagg.transfer import TransferPlan, transfer_plan
 from lesson_utils.memory.block_table import BlockTable
-from lesson_utils.types import OutOfBlocks
 
 pytestmark = pytest.mark.usefixtures("not_strict")
 
@@ -305,7 +305,7 @@ def test_wrong_adoptions_are_rejected(fn, needle):
 
 
 def test_a_cache_on_the_device_is_packed_there():
-    from lesson_utils.device_discipline import DEVICE, discipline
+    from lesson_utils.core.device_discipline import DEVICE, discipline
 
     with discipline():
         k = [torch.randn(4, 2, 1, 4).to(DEVICE)]

@@ -9,10 +9,10 @@ import triton
 import triton.language as tl
 from helpers import rejected
 
-from lesson_utils import kv_math
 from lesson_utils.cache import quantize as Q
 from lesson_utils.checks import lesson10 as C
 from lesson_utils.kernels.int8_kv import load_int8_tile
+from lesson_utils.lab import kv_math
 
 # ---- exercise 1 ----------------------------------------------------------------------------------------------
 

@@ -15,10 +15,10 @@ import pytest
 import torch
 from helpers import merge_unchecked, rejected
 
-from lesson_utils import decoding, kv_math
 from lesson_utils.cache import contiguous as contiguous_cache
 from lesson_utils.cache import paged
 from lesson_utils.checks import lesson00, lesson01, lesson03, lesson05, lesson06, lesson07
+from lesson_utils.lab import decoding, kv_math
 from lesson_utils.memory import block_table as bt
 from lesson_utils.memory import contiguous, sharing, swap
 from lesson_utils.memory.block_allocator import BlockAllocator
@@ -31,7 +31,7 @@ pytestmark = pytest.mark.usefixtures("not_strict")
 
 @pytest.fixture(scope="module")
 def w():
-    from lesson_utils.env import Profile
+    from lesson_utils.core.env import Profile
     from lesson_utils.model.loading import load_model
     from lesson_utils.model.opt_forward import OPTWeights
 

@@ -1,6 +1,10 @@
 """The package's layers, as the README's module map draws them: imports only go down, never in a cycle.
 
-* ``types`` imports nothing of the course; ``memory/`` stands on ``types`` only;
+* two floors the tree shows: ``core/`` (the ground floor: types, env, device discipline, host copies, state,
+  progress) imports nothing of the course but itself; ``lab/`` (the lesson and measurement helpers) and
+  ``checks/`` stand on top, and no engine floor (``core``, ``memory``, ``cache``, ``kernels``, ``model``,
+  ``serving``, ``disagg``) ever imports them;
+* ``core.types`` imports nothing of the course; ``memory/`` stands on ``core`` only;
 * ``serving/`` never imports ``memory/``: it reaches a memory manager through the ``MemoryManager`` protocol;
 * nothing outside ``memory/`` reaches into a manager: no ``.allocator`` of another object, no write to another
   object's ``.tables`` - the block manager is the only door to blocks (an AST check);
@@ -45,19 +49,26 @@ GRAPH = {m: {i for i in imports_of(p) if i in MODULES and i not in (m, "lesson_u
 
 
 def layer_of(module: str) -> str:
-    """``lesson_utils.memory.swap`` -> ``memory``; a top-level module is its own layer (``env``, ``identity``...)."""
+    """``lesson_utils.memory.swap`` -> ``memory``; ``lesson_utils.core.types`` -> ``types`` (the one module of the
+    ground floor that stands on nothing); a module at the package's root is a layer of its own."""
     parts = module.split(".")
+    if parts[1:3] == ["core", "types"]:
+        return "types"
     return parts[1] if len(parts) > 1 else ""
 
 
-BASE = {"types", "env", "device_discipline", "host_copy", "state", "progress"}  # the ground floor anyone may stand on
+BASE = {"core", "types"}  # the ground floor anyone may stand on
 ALLOWED = {  # layer -> the layers it may import (besides itself and BASE)
     "types": set(),
+    "core": set(),
     "memory": set(),
     "cache": {"memory", "kernels"},
     "kernels": set(),  # checked against cache/attention.py's references in the tests, not importing them
     "model": {"cache"},
     "serving": {"cache", "model"},
+    "disagg": {"cache", "memory", "model", "serving"},
+    "lab": {"cache", "memory", "kernels", "model", "serving", "disagg"},  # the helpers measure the engine
+    "checks": {"cache", "memory", "kernels", "model", "serving", "disagg", "lab"},
 }
 
 
@@ -66,7 +77,8 @@ def upward_imports(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
     for m, deps in graph.items():
         layer = layer_of(m)
         if layer not in ALLOWED:
-            continue  # lesson helpers and checkers may use any layer
+            bad += [(m, "a layer of its own: put it in a floor")] if layer else []
+            continue
         ok = ALLOWED[layer] | {layer} | (BASE if layer != "types" else set())
         bad += [(m, d) for d in deps if layer_of(d) not in ok]
     return bad
@@ -79,7 +91,7 @@ def test_a_layer_imports_nothing_above_it():
 def test_the_layer_rule_can_fail():
     assert upward_imports({"lesson_utils.serving.engine": {"lesson_utils.memory.sharing"}}) != []
     assert upward_imports({"lesson_utils.memory.swap": {"lesson_utils.serving.scheduler"}}) != []
-    assert upward_imports({"lesson_utils.types": {"lesson_utils.env"}}) != []
+    assert upward_imports({"lesson_utils.core.types": {"lesson_utils.core.env"}}) != []
 
 
 def test_the_import_graph_has_no_cycle():

@@ -1,6 +1,6 @@
 """One wording for a busy machine, whether the timing came from timing.measure or a bare probe (lesson 09)."""
 
-from lesson_utils import timing
+from lesson_utils.lab import timing
 
 
 def test_a_probe_warns_only_past_the_threshold():

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lesson_utils import device_discipline as dd
-from lesson_utils import host_copy
-from lesson_utils.device_discipline import DEVICE, DeviceMismatch, discipline, place
+from lesson_utils.core import device_discipline as dd
+from lesson_utils.core import host_copy
+from lesson_utils.core.device_discipline import DEVICE, DeviceMismatch, discipline, place
 
 
 @pytest.fixture
@@ -174,8 +174,8 @@ def test_the_environment_variable_turns_it_on_for_a_process(tmp_path):
     import sys
 
     code = (
-        "import lesson_utils.env as e, torch\n"
-        "from lesson_utils import device_discipline as dd\n"
+        "import lesson_utils.core.env as e, torch\n"
+        "from lesson_utils.core import device_discipline as dd\n"
         "p = e.get_profile(); assert p.device == 'cpu:0' and 'device discipline' in p.device_name, p\n"
         "assert dd.active() is not None\n"
         "try:\n    torch.ones(2, device=p.device) + torch.ones(2)\nexcept dd.DeviceMismatch:\n    print('caught')\n"

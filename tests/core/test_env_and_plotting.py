@@ -9,7 +9,8 @@ import sys
 import matplotlib
 import pytest
 
-from lesson_utils import env, plotting
+from lesson_utils.core import env
+from lesson_utils.lab import plotting
 
 matplotlib.use("Agg")
 
@@ -53,7 +54,7 @@ def test_triton_interpreter_is_set_without_cuda():
 
 
 def test_importing_env_changes_no_environment_variable():
-    code = "import os; before = dict(os.environ); import lesson_utils.env; print(dict(os.environ) == before)"
+    code = "import os; before = dict(os.environ); import lesson_utils.core.env; print(dict(os.environ) == before)"
     environ = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out = subprocess.run([sys.executable, "-c", code], env=environ, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
@@ -194,7 +195,7 @@ def test_the_setup_cell_makes_jupyterlab_break_printed_lines_between_words(monke
     import IPython
     import IPython.display
 
-    from lesson_utils import env
+    from lesson_utils.core import env
 
     class ZMQInteractiveShell:  # what a live Jupyter kernel's shell is called
         pass
@@ -218,7 +219,7 @@ def test_busy_keeps_a_bar_moving_while_one_long_call_runs(monkeypatch):
 
     import tqdm.auto
 
-    from lesson_utils.progress import busy
+    from lesson_utils.core.progress import busy
 
     events = []
 

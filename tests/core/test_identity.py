@@ -1,4 +1,4 @@
-"""The identity rule (lesson_utils.identity): identical, diverged at a near-tie (accepted, reported), or different
+"""The identity rule (lesson_utils.lab.identity): identical, diverged at a near-tie (accepted, reported), or different
 (a bug). Tested on a constructed exact tie: two tokens given the same embedding row (OPT ties its output
 projection to it) have equal logits at every step, so greedy's choice between them is rounding's, not the model's."""
 
@@ -10,8 +10,8 @@ import pytest
 import torch
 from helpers import ReservingPagedKVCache
 
-from lesson_utils import identity
 from lesson_utils.cache.seam import StepBatch
+from lesson_utils.lab import identity
 from lesson_utils.model.opt_forward import OPTWeights, forward
 
 

@@ -9,9 +9,9 @@ import random
 import pytest
 import torch
 
-from lesson_utils import identity
 from lesson_utils.cache.paged import PagedKVCache
-from lesson_utils.env import Profile
+from lesson_utils.core.env import Profile
+from lesson_utils.lab import identity
 from lesson_utils.model.loading import load_model
 from lesson_utils.model.opt_forward import OPTWeights
 from lesson_utils.serving.engine import Engine

@@ -1,12 +1,12 @@
-"""lesson_utils.state: what a refused step's restore copies (containers, one level into dicts, records) and what it
+"""lesson_utils.core.state: what a refused step's restore copies (containers, one level into dicts, records) and what it
 keeps by reference (objects of their own)."""
 
 from __future__ import annotations
 
 from collections import OrderedDict, deque
 
+from lesson_utils.core.state import capture
 from lesson_utils.memory.block_table import BlockTable
-from lesson_utils.state import capture
 
 
 class _List(list):

@@ -1,4 +1,4 @@
-"""The course's timing protocol (lesson_utils.timing): warm-up, repeats, alternated order, median and spread,
+"""The course's timing protocol (lesson_utils.lab.timing): warm-up, repeats, alternated order, median and spread,
 ratios round by round, and the warning when other processes share the machine."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from lesson_utils import timing
+from lesson_utils.lab import timing
 
 
 def test_measure_warms_up_alternates_and_keeps_every_sample():

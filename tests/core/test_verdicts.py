@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from lesson_utils.verdicts import Axis, compare
+from lesson_utils.lab.verdicts import Axis, compare
 
 LATENCY = Axis("p99 ITL", "ms")
 THROUGHPUT = Axis("throughput", "tok/s", higher_is_better=True, digits=1)

@@ -19,11 +19,11 @@ from helpers import hf_greedy
 
 from lesson_utils.cache.attention import gather_kv
 from lesson_utils.cache.block_copy import pack_blocks, unpack_blocks
+from lesson_utils.core.types import OutOfBlocks
 from lesson_utils.disagg.transfer import transfer_plan
 from lesson_utils.disagg.workers import DisaggConfig, DisaggError, Faults, run_disaggregated
 from lesson_utils.memory.block_manager import BlockManager
 from lesson_utils.memory.block_table import blocks_needed
-from lesson_utils.types import OutOfBlocks
 
 
 @pytest.mark.parametrize("num_tokens", [1, 4, 9, 16])
@@ -148,10 +148,10 @@ def test_a_worker_dying_mid_transfer_fails_clearly_within_a_bounded_time(saved_m
 
 def test_serve_engine_records_every_tokens_time(tiny):
     """The colocated side of lesson 09's comparison: per-token times from the engine's own steps."""
-    from lesson_utils import benchmark
     from lesson_utils.cache.paged import PagedKVCache
+    from lesson_utils.core.types import Request
+    from lesson_utils.lab import benchmark
     from lesson_utils.serving.engine import Engine
-    from lesson_utils.types import Request
 
     _, w = tiny
     reqs = [Request(i, 0.0, len(p), n, prompt_ids=p) for i, (_, p, n) in enumerate(_requests())]
@@ -209,7 +209,7 @@ def test_a_start_past_the_budget_fails_saying_what_to_raise(saved_model):
 
 
 def test_the_startup_budget_follows_the_profile(monkeypatch):
-    from lesson_utils import env
+    from lesson_utils.core import env
 
     cfg = DisaggConfig(model_dir="unused")
     for name, want in (("ci", 60), ("cpu", 90)):

@@ -9,13 +9,13 @@ from helpers import hf_greedy
 
 from lesson_utils.cache.block_copy import pack_blocks, unpack_blocks
 from lesson_utils.cache.paged import PagedKVCache
+from lesson_utils.core.types import OutOfBlocks, Request, Sequence
 from lesson_utils.disagg import handover
 from lesson_utils.disagg.transfer import transfer_plan
 from lesson_utils.disagg.workers import check_requests
 from lesson_utils.memory.block_manager import BlockManager
 from lesson_utils.memory.sharing import SharingBlockManager
 from lesson_utils.serving.engine import Engine
-from lesson_utils.types import OutOfBlocks, Request, Sequence
 
 
 def _caches(num_blocks=6, block_size=4, layers=2, heads=2, d=3, dtype=torch.float32, seed=0):

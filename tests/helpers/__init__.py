@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from lesson_utils.cache.paged import PagedKVCache
-from lesson_utils.identity import near_tie_threshold
+from lesson_utils.lab.identity import near_tie_threshold
 
 # top-1 minus top-2 logit along HF's greedy path: the identity rule's fp32 near-tie threshold (fp32 noise ~1e-6)
 MIN_MARGIN = near_tie_threshold(torch.float32)
@@ -18,7 +18,7 @@ def hf_greedy(model, prompt: list[int], max_new_tokens: int, eos: int | None, *,
     """HF's greedy continuation of one unpadded prompt, cut right after the first eos (generate stops there).
 
     With ``check_ties`` the test fails loudly if any step's top two logits are within ``MIN_MARGIN``. Tests
-    then compare outputs with ``==``: that IS the identity rule (lesson_utils.identity) when HF's path has no
+    then compare outputs with ``==``: that IS the identity rule (lesson_utils.lab.identity) when HF's path has no
     near-tie - in fp32 on a CPU the rule asks for every token.
     """
     with torch.no_grad():
@@ -44,9 +44,9 @@ def hf_greedy(model, prompt: list[int], max_new_tokens: int, eos: int | None, *,
 
 
 def assert_identical(model, prompts: list[list[int]], expected: list[list[int]], got: list[list[int]]) -> None:
-    """The identity rule itself (lesson_utils.identity), for comparisons whose prompts were not screened for
+    """The identity rule itself (lesson_utils.lab.identity), for comparisons whose prompts were not screened for
     near-ties: a divergence passes only where HF's top-2 margin is below the fp32 threshold."""
-    from lesson_utils import identity
+    from lesson_utils.lab import identity
 
     report = identity.compare_all(model, prompts, expected, got)
     assert report.ok, report.failures()

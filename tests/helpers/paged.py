@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import random
 
+from lesson_utils.core.types import Request, Sequence
 from lesson_utils.memory.block_allocator import BlockAllocator
 from lesson_utils.memory.block_manager import BlockManager
-from lesson_utils.types import Request, Sequence
 
 
 def make_seq(seq_id: int, prompt_len: int, output_len: int = 1000) -> Sequence:

@@ -9,6 +9,7 @@ import re
 import torch
 
 from lesson_utils.cache.paged import PagedKVCache, gather_kv
+from lesson_utils.core.types import Request, Sequence
 from lesson_utils.memory.block_manager import BlockManager
 from lesson_utils.memory.block_table import blocks_needed
 from lesson_utils.memory.sharing import SharingBlockManager
@@ -16,7 +17,6 @@ from lesson_utils.memory.swap import SwapSpace
 from lesson_utils.serving import simulator
 from lesson_utils.serving.engine import Engine
 from lesson_utils.serving.scheduler import FCFSScheduler, most_recently_admitted
-from lesson_utils.types import Request, Sequence
 
 FALLBACK = "fell back to recompute"
 

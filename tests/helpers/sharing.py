@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+from lesson_utils.core.types import Request, Sequence
 from lesson_utils.memory.block_pool import NO_PARENT, block_hash
 from lesson_utils.memory.sharing import SharingBlockManager
-from lesson_utils.types import Request, Sequence
 
 ALPHABET = (0, 1, 2)  # few distinct tokens: prompts share prefixes, so the prefix cache really hits
 

@@ -1,6 +1,6 @@
 """The GPU path, checked on a CPU. Each test names the T4 failure it guards against.
 
-Most of them run the course's code in the device-discipline mode (:mod:`lesson_utils.device_discipline`):
+Most of them run the course's code in the device-discipline mode (:mod:`lesson_utils.core.device_discipline`):
 the model and caches live on ``cpu:0``, which stands for the GPU, tensors made without that device are
 "host" tensors, and mixing the two raises as CUDA would. Without the mode these bugs are invisible on a
 CPU, because every tensor is in the same memory.
@@ -19,21 +19,21 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from course_tools.gpu_checks import engine_kinds
-from lesson_utils import benchmark
-from lesson_utils import device_discipline as dd
 from lesson_utils.cache import attention, paged
 from lesson_utils.cache import contiguous as contiguous_cache
 from lesson_utils.cache.host_blocks import HostBlocks
 from lesson_utils.cache.paged import PagedKVCache
 from lesson_utils.checks import lesson01, lesson03, lesson04
-from lesson_utils.device_discipline import DEVICE, DeviceMismatch, discipline
-from lesson_utils.env import Profile
+from lesson_utils.core import device_discipline as dd
+from lesson_utils.core.device_discipline import DEVICE, DeviceMismatch, discipline
+from lesson_utils.core.env import Profile
+from lesson_utils.core.types import Request
 from lesson_utils.kernels import paged_attention as K
+from lesson_utils.lab import benchmark
 from lesson_utils.memory import contiguous
 from lesson_utils.memory.swap import SwapSpace
 from lesson_utils.model.opt_forward import OPTWeights, generate_greedy
 from lesson_utils.serving.engine import Engine
-from lesson_utils.types import Request
 
 N_NEW = 6
 

@@ -14,8 +14,8 @@ import torch
 
 from course_tools import gpu_checks as G
 from course_tools import gpu_run
-from lesson_utils import device_discipline as dd
-from lesson_utils.device_discipline import DEVICE, discipline
+from lesson_utils.core import device_discipline as dd
+from lesson_utils.core.device_discipline import DEVICE, discipline
 
 
 def test_it_refuses_without_cuda_naming_what_to_do_instead():
@@ -55,7 +55,7 @@ def test_the_kernel_benchmarks_check_and_time_every_way_at_tiny_sizes():
 
 @pytest.fixture(scope="module")
 def on_device():
-    from lesson_utils.env import Profile
+    from lesson_utils.core.env import Profile
     from lesson_utils.model.loading import load_model
     from lesson_utils.model.opt_forward import OPTWeights
 

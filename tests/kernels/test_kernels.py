@@ -102,7 +102,7 @@ def test_randomized_cases(where):
     reference must then neither mix in a host tensor nor read back more than their checks need."""
     from contextlib import nullcontext
 
-    from lesson_utils import device_discipline as dd
+    from lesson_utils.core import device_discipline as dd
 
     rng = random.Random(0)
     with dd.discipline() if where != "cpu" else nullcontext():
@@ -196,7 +196,7 @@ def test_every_course_kernel_compiles_for_every_target_gpu():
 def test_engine_with_triton_backend_is_token_identical_to_hf():
     """The tiny OPT under the interpreter: Triton writes K/V and attends for decode tokens."""
     from lesson_utils.cache.triton_paged import TritonPagedKVCache
-    from lesson_utils.env import Profile
+    from lesson_utils.core.env import Profile
     from lesson_utils.memory.block_manager import BlockManager
     from lesson_utils.model.loading import load_model
     from lesson_utils.model.opt_forward import OPTWeights

@@ -13,7 +13,7 @@ import pytest
 
 SCRIPT = textwrap.dedent(
     """
-    from lesson_utils import env
+    from lesson_utils.core import env
     env.configure_triton()
     import torch
     from lesson_utils.cache import attention

@@ -13,9 +13,9 @@ from helpers.paged import brute_force_slots
 
 from lesson_utils.cache.paged import gather_kv, slot_mapping
 from lesson_utils.cache.seam import StepBatch
+from lesson_utils.core.types import OutOfBlocks
 from lesson_utils.memory.block_allocator import BlockAllocator
 from lesson_utils.memory.block_table import BlockTable, blocks_needed, grow_block_table
-from lesson_utils.types import OutOfBlocks
 
 # ---------------------------------------------------------------------------------------------------
 # BlockAllocator

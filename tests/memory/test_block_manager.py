@@ -10,9 +10,9 @@ from hypothesis import event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+from lesson_utils.core.types import FREE, INTERNAL, TOKEN, NeverFits, OutOfBlocks, Sequence
 from lesson_utils.memory.block_manager import BlockManager
 from lesson_utils.memory.block_table import blocks_needed
-from lesson_utils.types import FREE, INTERNAL, TOKEN, NeverFits, OutOfBlocks, Sequence
 
 # ---------------------------------------------------------------------------------------------------
 # The block manager as a state machine

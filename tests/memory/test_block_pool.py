@@ -9,10 +9,10 @@ from dataclasses import replace
 import pytest
 from helpers.sharing import compute, make_seq
 
+from lesson_utils.core.types import OutOfBlocks, Sequence
 from lesson_utils.memory.block_pool import NO_PARENT, BlockPool, block_hash
 from lesson_utils.memory.block_table import BlockTable
 from lesson_utils.memory.sharing import SharingBlockManager, copy_on_write, fork_table, prefix_hits
-from lesson_utils.types import OutOfBlocks, Sequence
 
 # ---------------------------------------------------------------------------------------------------
 # BlockPool

@@ -12,9 +12,9 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from lesson_utils.cache import contiguous as contiguous_cache
 from lesson_utils.cache.dense import DenseKVCache
 from lesson_utils.cache.seam import StepBatch
+from lesson_utils.core.types import NeverFits, OutOfSlots
 from lesson_utils.memory import contiguous
 from lesson_utils.memory.contiguous import FirstFitAllocator
-from lesson_utils.types import NeverFits, OutOfSlots
 
 
 class AllocatorMachine(RuleBasedStateMachine):

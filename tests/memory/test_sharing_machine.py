@@ -39,9 +39,9 @@ from hypothesis import event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule, run_state_machine_as_test
 
+from lesson_utils.core.types import OutOfBlocks, Sequence
 from lesson_utils.memory.block_table import blocks_needed
 from lesson_utils.memory.sharing import SharingBlockManager
-from lesson_utils.types import OutOfBlocks, Sequence
 
 # ---------------------------------------------------------------------------------------------------
 # The sharing block manager as a state machine, with a shadow of the cache's contents

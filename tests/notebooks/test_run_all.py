@@ -95,7 +95,7 @@ def test_outputs_and_summary(ran):
         for key in ("path", "kind", "seconds", "ok", "error", "unsolved_count", "profile", "device_name", "versions"):
             assert key in record
         assert record["profile"] == "ci"
-        # the kernel reports what lesson_utils.env saw (the repository root is on its PYTHONPATH)
+        # the kernel reports what lesson_utils.core.env saw (the repository root is on its PYTHONPATH)
         assert record["probe_error"] is None, record["probe_error"]
         assert record["device_name"] and record["versions"].get("python")
     assert records["notebooks/02_bad.ipynb"]["ok"] is False

@@ -10,13 +10,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from lesson_utils.core.types import Request, Sequence
 from lesson_utils.memory.block_manager import BlockManager
 from lesson_utils.memory.sharing import SharingBlockManager
 from lesson_utils.serving import simulator
 from lesson_utils.serving.scheduler import FCFSScheduler, most_recently_admitted
 from lesson_utils.serving.step import serve_step
 from lesson_utils.serving.token_budget import Chunk, ChunkedPrefill, QueueView, TokenState, budgeted_schedule
-from lesson_utils.types import Request, Sequence
 
 
 # ---- victim policies a learner may plug in (lesson 06's exercise and its plausible wrong answers) --------------

@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 
 from lesson_utils.cache import attention
 from lesson_utils.cache.paged import PagedKVCache
+from lesson_utils.core.types import Request
 from lesson_utils.kernels.unified_attention import unified_attention
 from lesson_utils.memory.block_manager import BlockManager
 from lesson_utils.memory.sharing import SharingBlockManager
@@ -29,7 +30,6 @@ from lesson_utils.serving import simulator
 from lesson_utils.serving.engine import Engine
 from lesson_utils.serving.scheduler import FCFSScheduler
 from lesson_utils.serving.token_budget import Chunk, ChunkedPrefill, TokenState, budgeted_schedule
-from lesson_utils.types import Request
 
 # ---- the policy -----------------------------------------------------------------------------------------------
 
@@ -170,7 +170,7 @@ def test_a_wrong_plan_is_refused_with_what_is_wrong():
 
 
 def _seq(i, p, o):
-    from lesson_utils.types import Sequence
+    from lesson_utils.core.types import Sequence
 
     return Sequence(Request(i, 0.0, p, o))
 
@@ -317,7 +317,7 @@ def test_the_unified_kernel_compiles_for_a_t4():
 
 
 def test_serve_by_steps_records_every_step_and_every_gap(tiny):
-    from lesson_utils import benchmark
+    from lesson_utils.lab import benchmark
 
     _, w = tiny
     prompts = _prompts(w, [6, 7, 90], seed=9)
@@ -338,8 +338,8 @@ def test_the_gpu_timing_cell_runs_and_checks_before_it_times(disciplined):
     import contextlib
     import time
 
-    from lesson_utils import benchmark
-    from lesson_utils.device_discipline import DEVICE, discipline
+    from lesson_utils.core.device_discipline import DEVICE, discipline
+    from lesson_utils.lab import benchmark
 
     calls = []
 
@@ -394,7 +394,7 @@ def test_a_beam_search_that_runs_out_of_blocks_under_chunking_fails_clearly_and_
     """The chunked path keeps the beam guard of the other: a beam cannot be preempted while its group goes on
     (before the one schedule path, the chunked copy preempted a beam by recompute and the search went on with a
     beam missing). The search fails with a clear error, and every block is free afterwards."""
-    from lesson_utils.types import OutOfBlocks
+    from lesson_utils.core.types import OutOfBlocks
 
     _, w = tiny
     prompt = _prompts(w, [10], seed=4)[0]

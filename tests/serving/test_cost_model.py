@@ -8,9 +8,10 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from lesson_utils import benchmark, workloads
 from lesson_utils.cache.paged import PagedKVCache
 from lesson_utils.cache.reserved import ReservedKVCache
+from lesson_utils.core.types import Request, Sequence
+from lesson_utils.lab import benchmark, workloads
 from lesson_utils.memory import reservation
 from lesson_utils.memory.block_manager import BlockManager
 from lesson_utils.memory.sharing import SharingBlockManager
@@ -18,7 +19,6 @@ from lesson_utils.serving import simulator
 from lesson_utils.serving.cost_model import ChunkCost, MeasuredSteps, StepCost, StepWork
 from lesson_utils.serving.engine import Engine
 from lesson_utils.serving.scheduler import FCFSScheduler
-from lesson_utils.types import Request, Sequence
 
 
 def test_the_fit_recovers_the_coefficients_of_a_linear_cost():

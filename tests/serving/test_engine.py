@@ -23,15 +23,15 @@ import random
 import pytest
 from helpers import ReservingPagedKVCache, assert_simulation_complete, hf_greedy
 
-from lesson_utils import workloads
 from lesson_utils.cache.paged import PagedKVCache
+from lesson_utils.core.types import NeverFits
+from lesson_utils.lab import workloads
 from lesson_utils.memory.block_manager import BlockManager
 from lesson_utils.memory.block_table import blocks_needed
 from lesson_utils.memory.reservation import ContiguousReservationManager
 from lesson_utils.model.opt_forward import generate_greedy
 from lesson_utils.serving import simulator
 from lesson_utils.serving.engine import Engine
-from lesson_utils.types import NeverFits
 
 N_NEW = 8
 # Lengths chosen around block boundaries for block sizes 1, 4 and 16 with N_NEW = 8 new tokens:

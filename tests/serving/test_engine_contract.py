@@ -212,8 +212,8 @@ def test_a_refused_plan_leaves_the_chunked_engine_serving(tiny, chunked):
 
 
 def test_a_hand_over_into_a_full_decode_side_is_refused_and_leaks_nothing(tiny):
+    from lesson_utils.core.types import OutOfBlocks, Request
     from lesson_utils.disagg.handover import hand_over, prefill_engine
-    from lesson_utils.types import OutOfBlocks, Request
 
     model, w = tiny
     prefill = prefill_engine(w, PagedKVCache.for_model(w, num_blocks=16, block_size=4))

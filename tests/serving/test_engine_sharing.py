@@ -35,8 +35,8 @@ import pytest
 import torch
 from helpers import MIN_MARGIN, assert_simulation_complete, hf_greedy
 
-from lesson_utils import workloads
 from lesson_utils.cache.paged import PagedKVCache
+from lesson_utils.lab import workloads
 from lesson_utils.memory.block_table import blocks_needed
 from lesson_utils.memory.sharing import SharingBlockManager, prefix_hits
 from lesson_utils.serving import simulator

@@ -11,13 +11,13 @@ from helpers import hf_greedy
 
 from lesson_utils.cache.paged import PagedKVCache
 from lesson_utils.cache.seam import StepBatch
+from lesson_utils.core.types import OutOfBlocks, Request
 from lesson_utils.memory.block_manager import BlockManager
 from lesson_utils.memory.sharing import SharingBlockManager
 from lesson_utils.model.opt_forward import forward
 from lesson_utils.serving import simulator
 from lesson_utils.serving.engine import Engine
 from lesson_utils.serving.step import StepResult, serve_step
-from lesson_utils.types import OutOfBlocks, Request
 
 
 def _requests(w, n: int, seed: int) -> list[Request]:

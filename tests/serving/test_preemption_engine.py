@@ -49,13 +49,13 @@ from helpers import hf_greedy
 from helpers.preemption import FALLBACK, MANAGERS, SwapSpy, assert_all_free, make_manager, oldest_first, serve
 
 from lesson_utils.cache.paged import PagedKVCache
+from lesson_utils.core.types import NeverFits, Request, Sequence
 from lesson_utils.memory.block_manager import BlockManager
 from lesson_utils.memory.block_table import blocks_needed
 from lesson_utils.memory.swap import SwapSpace
 from lesson_utils.serving import simulator
 from lesson_utils.serving.engine import Engine
 from lesson_utils.serving.scheduler import FCFSScheduler, most_recently_admitted
-from lesson_utils.types import NeverFits, Request, Sequence
 
 # ---------------------------------------------------------------------------------------------------
 # 1. The engine under memory pressure: token-identical in both modes, on every manager

@@ -16,10 +16,10 @@ from helpers.preemption import (
     run_workload,
 )
 
+from lesson_utils.core.types import Request, Sequence
 from lesson_utils.memory.block_manager import BlockManager
 from lesson_utils.memory.swap import SwapSpace
 from lesson_utils.serving.scheduler import most_recently_admitted
-from lesson_utils.types import Request, Sequence
 
 # ---------------------------------------------------------------------------------------------------
 # 2. The simulator: randomized workloads, both modes, every manager, every swap-space size

@@ -21,6 +21,7 @@ from lesson_utils.cache.paged import PagedKVCache
 from lesson_utils.cache.quantize import KVQuantError
 from lesson_utils.cache.reserved import ReservedKVCache
 from lesson_utils.cache.triton_paged import TritonPagedKVCache, UnifiedTritonKVCache
+from lesson_utils.core.types import SequenceStatus
 from lesson_utils.memory.block_manager import BlockManager
 from lesson_utils.memory.reservation import ContiguousReservationManager
 from lesson_utils.memory.sharing import SharingBlockManager
@@ -28,7 +29,6 @@ from lesson_utils.memory.swap import SwapSpace
 from lesson_utils.serving.engine import Engine
 from lesson_utils.serving.step import serve_step
 from lesson_utils.serving.token_budget import ChunkedPrefill
-from lesson_utils.types import SequenceStatus
 
 POISON = 7  # the token id whose embedding row is NaN
 

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import pytest
 
-from lesson_utils import benchmark, workloads
 from lesson_utils.cache.paged import PagedKVCache
+from lesson_utils.core.types import Request
+from lesson_utils.lab import benchmark, workloads
+from lesson_utils.lab.step_profile import profile_decode_step, weight_bytes
 from lesson_utils.memory.block_manager import BlockManager
 from lesson_utils.serving.cost_model import StepCost
 from lesson_utils.serving.engine import Engine
-from lesson_utils.step_profile import profile_decode_step, weight_bytes
-from lesson_utils.types import Request
 
 
 def _req(i, t, p, o):

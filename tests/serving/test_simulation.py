@@ -5,11 +5,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from lesson_utils import kv_math, workloads
+from lesson_utils.core.types import NeverFits, Sequence
+from lesson_utils.lab import kv_math, workloads
 from lesson_utils.memory import reservation
 from lesson_utils.serving import simulator
 from lesson_utils.serving.scheduler import FCFSScheduler
-from lesson_utils.types import NeverFits, Sequence
 
 
 @pytest.mark.parametrize("profile", [workloads.SHAREGPT, workloads.ALPACA])

@@ -6,9 +6,8 @@ import numpy as np
 from matplotlib.colors import ListedColormap
 from matplotlib.patches import Patch
 
-from lesson_utils.types import SlotKind
-
-from .plotting import COLORS
+from lesson_utils.core.types import SlotKind
+from lesson_utils.lab.plotting import COLORS
 
 KIND_COLORS = [COLORS[k] for k in SlotKind]
 KIND_CMAP = ListedColormap(KIND_COLORS)

@@ -19,7 +19,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from lesson_utils.types import Request
+from lesson_utils.core.types import Request
 
 MIN_LEN = 4
 

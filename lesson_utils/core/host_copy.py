@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from lesson_utils.device_discipline import acts_as_gpu
+from lesson_utils.core.device_discipline import acts_as_gpu
 
 
 def wants_pinned(device) -> bool:

@@ -17,9 +17,9 @@ from dataclasses import replace
 
 import numpy as np
 
+from lesson_utils.core.types import Request, Sequence
 from lesson_utils.memory.block_table import blocks_needed
 from lesson_utils.memory.sharing import SharingBlockManager
-from lesson_utils.types import Request, Sequence
 
 
 def _manager(r: Request, width: int, block_size: int) -> SharingBlockManager:

@@ -15,7 +15,7 @@ GPU machine has CPU tensors, which compiled kernels cannot read). Triton reads t
 importing this module changes no environment variable.
 
 With ``COURSE_DEVICE_DISCIPLINE=1`` (CI) the profile's device is ``cpu:0`` and importing this module turns on
-:mod:`lesson_utils.device_discipline`, which makes a CPU run fail where a GPU run would (tensors made on the
+:mod:`lesson_utils.core.device_discipline`, which makes a CPU run fail where a GPU run would (tensors made on the
 wrong device) and counts device-to-host syncs.
 """
 
@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
-from lesson_utils import device_discipline
+from lesson_utils.core import device_discipline
 
 PROFILES = ("gpu", "cpu", "ci")
 

@@ -14,8 +14,8 @@ from typing import Any, Callable
 
 import matplotlib
 
-from lesson_utils.env import is_headless  # noqa: F401 - re-exported: the course's one headless test
-from lesson_utils.types import SlotKind
+from lesson_utils.core.env import is_headless  # noqa: F401 - re-exported: the course's one headless test
+from lesson_utils.core.types import SlotKind
 
 # The four kinds of KV-cache memory (lesson 02) and a few more, one colour each across the course.
 COLORS = {
@@ -51,7 +51,7 @@ def use_course_style() -> None:
 
 def measured_title(text: str, profile=None) -> str:
     """``text`` plus a second line naming the device and profile that measured it."""
-    from .env import get_profile
+    from lesson_utils.core.env import get_profile
 
     p = profile or get_profile()
     return f"{text}\nmeasured on {p.label()}"

@@ -27,8 +27,8 @@ from functools import partial
 import numpy as np
 import torch
 
+from lesson_utils.core.types import Request
 from lesson_utils.serving.cost_model import StepCost, StepWork
-from lesson_utils.types import Request
 
 
 @dataclass

@@ -121,11 +121,11 @@ def _median_times(w, prompt, max_new_tokens, cached, repeats, sync, progress) ->
 
 def last_token_timing(w: OPTWeights, prompt: list[int], *, repeats: int = 5, threads: int | None = None):
     """The time of one decode step at the end of ``prompt``, with a cache and without, by the course's timing
-    protocol (:func:`lesson_utils.timing.measure`: warm-up, repeats in alternating order, median and spread).
+    protocol (:func:`lesson_utils.lab.timing.measure`: warm-up, repeats in alternating order, median and spread).
 
     Each timed call builds its own stepper and feeds it ``prompt[:-1]`` untimed; only the step that feeds the last
     token is on the clock: one token through the model with a cache, the whole sequence without."""
-    from lesson_utils.timing import measure
+    from lesson_utils.lab.timing import measure
 
     sync = torch.cuda.synchronize if w.embed_tokens.is_cuda else (lambda: None)
 

@@ -3,7 +3,7 @@
 A decode step's fixed cost is often explained as "reading every weight of the model once". That is a
 prediction: :func:`profile_decode_step` checks it. It measures
 
-* the step itself (:func:`lesson_utils.timing.measure`: warm-up, repeats, median and spread);
+* the step itself (:func:`lesson_utils.lab.timing.measure`: warm-up, repeats, median and spread);
 * the weight bytes a step reads (every parameter once; OPT's output layer is its tied embedding) and this
   device's copy bandwidth, hence how long reading them would take at that bandwidth;
 * with PyTorch's profiler, the step's time in the weight matmuls (``aten::addmm``, ``aten::mm``), in every other
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lesson_utils.timing import Measurement, measure
+from lesson_utils.lab.timing import Measurement, measure
 
 MATMULS = ("aten::addmm", "aten::mm")
 

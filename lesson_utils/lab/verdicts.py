@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from lesson_utils.timing import Timing
+from lesson_utils.lab.timing import Timing
 
 
 @dataclass(frozen=True)
