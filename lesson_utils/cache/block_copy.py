@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from lesson_utils.core.host_copy import to_device
+from lesson_utils.core.types import is_int
 
 
 @dataclass(frozen=True)
@@ -58,7 +59,7 @@ def _block_index(blocks, num_blocks: int, device, distinct: bool) -> torch.Tenso
     if isinstance(blocks, torch.Tensor) or not isinstance(blocks, (list, tuple)):
         raise TypeError(f"blocks is a list of block ids (ints), got {type(blocks).__name__}")
     for b in blocks:
-        if isinstance(b, bool) or not isinstance(b, int):
+        if not is_int(b):
             raise TypeError(f"a block id is an int, got {type(b).__name__} {b!r}")
         if not 0 <= b < num_blocks:
             raise ValueError(f"block id {b} is out of range: the cache has {num_blocks} blocks (0..{num_blocks - 1})")

@@ -18,13 +18,14 @@ import torch
 
 from lesson_utils.cache.block_copy import SlotTensors
 from lesson_utils.core.host_copy import wants_pinned
+from lesson_utils.core.types import is_int
 
 
 class HostBlocks:
     """``num_blocks`` CPU blocks shaped like a cache's, every kind of per-slot data it keeps."""
 
     def __init__(self, kinds: tuple[SlotTensors, ...], num_blocks: int):
-        if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 0:
+        if not is_int(num_blocks) or num_blocks < 0:
             raise ValueError(f"a swap space needs a non-negative number of blocks, got {num_blocks!r}")
         pin = wants_pinned(kinds[0].k[0].device)
         self.names = tuple(kind.name for kind in kinds)

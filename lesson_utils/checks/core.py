@@ -287,6 +287,18 @@ def _changed_argument(before: tuple, after: tuple) -> int | None:
     return None
 
 
+def call_learner(fn, *args):
+    """One call of a learner's function: ``(value, None)``, or ``(None, exception)`` for any error it raised, which
+    the checker turns into feedback. ``NotImplementedError`` (an exercise not written yet) goes through, for the
+    checker to say so politely (``not_implemented``)."""
+    try:
+        return fn(*args), None
+    except NotImplementedError:
+        raise
+    except Exception as err:  # noqa: BLE001 - any learner error becomes feedback
+        return None, err
+
+
 def check_function(
     name: str,
     learner: Callable,

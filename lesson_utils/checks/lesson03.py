@@ -12,17 +12,7 @@ from lesson_utils.core.types import OutOfBlocks
 from lesson_utils.memory import block_table as bt
 from lesson_utils.memory.block_allocator import BlockAllocator
 
-from .core import CheckResult, case_device, check_function, failed, not_implemented, passed
-
-
-def _call(fn, *args):
-    """Run one learner call; returns (value, exception)."""
-    try:
-        return fn(*args), None
-    except NotImplementedError:
-        raise
-    except Exception as err:  # noqa: BLE001
-        return None, err
+from .core import CheckResult, call_learner, case_device, check_function, failed, not_implemented, passed
 
 
 def _state(a) -> tuple:
@@ -33,7 +23,7 @@ def _state(a) -> tuple:
 def _refused(name, a, call, arg, expected, what):
     """None when ``call(arg)`` raises ``expected`` and leaves the allocator as it was; else a failed result."""
     before = _state(a)
-    value, err = _call(call, arg) if arg is not None else _call(call)
+    value, err = call_learner(call, arg) if arg is not None else call_learner(call)
     if not isinstance(err, expected):
         got = f"raised {type(err).__name__}: {err}" if err else f"returned {value!r}"
         return failed(name, f"{what} {got}; expected {expected.__name__}", BlockAllocator)
@@ -53,7 +43,7 @@ def check_block_allocator(cls) -> CheckResult:
     name = "block allocator"
     try:
         a = cls(4)
-        got = [_call(a.allocate)[0] for _ in range(4)]
+        got = [call_learner(a.allocate)[0] for _ in range(4)]
         if got != [0, 1, 2, 3]:
             return failed(
                 name,
@@ -75,10 +65,10 @@ def check_block_allocator(cls) -> CheckResult:
             bad = _refused(name, a, a.free, held_id, ValueError, f"free({held_id}) while every block of 4 is held")
             if bad is not None:
                 return bad
-        _, err = _call(a.free, got[2])
+        _, err = call_learner(a.free, got[2])
         if err:
             return failed(name, f"free({got[2]}) of a held block raised {type(err).__name__}: {err}", BlockAllocator)
-        value, err = _call(a.allocate)
+        value, err = call_learner(a.allocate)
         if value != got[2]:
             return failed(
                 name,

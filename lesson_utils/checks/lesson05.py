@@ -6,7 +6,7 @@ from lesson_utils.memory import sharing
 from lesson_utils.memory.block_pool import NO_PARENT, BlockPool, block_hash
 from lesson_utils.memory.block_table import BlockTable
 
-from .core import CheckResult, failed, not_implemented, passed
+from .core import CheckResult, call_learner, failed, not_implemented, passed
 
 
 def _pool_with(
@@ -24,16 +24,6 @@ def _pool_with(
 def _pool_state(pool: BlockPool) -> tuple:
     """What a lookup must not change: counts, the free queue (and its order), the cached hashes."""
     return (list(pool.ref_count), pool.free_order(), dict(pool.hash_of), dict(pool.tokens_of))
-
-
-def _call(fn, *args):
-    """(value, None) or (None, exception) for one learner call; NotImplementedError propagates."""
-    try:
-        return fn(*args), None
-    except NotImplementedError:
-        raise
-    except Exception as err:  # noqa: BLE001 - any learner error becomes feedback
-        return None, err
 
 
 def check_fork_table(fn) -> CheckResult:
@@ -117,7 +107,7 @@ def check_copy_on_write(fn) -> CheckResult:
     for index in (1, 0):
         pool, (writer, other) = _pool_with([[4, 6], [4, 6]])
         old, kept = writer.blocks[index], writer.blocks[1 - index]
-        got, err = _call(fn, writer, index, pool)
+        got, err = call_learner(fn, writer, index, pool)
         if err is not None:
             return failed(
                 name,

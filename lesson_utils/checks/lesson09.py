@@ -12,7 +12,7 @@ from lesson_utils.disagg.transfer import TransferPlan, transfer_plan
 from lesson_utils.memory.block_manager import BlockManager
 from lesson_utils.memory.block_table import BlockTable
 
-from .core import CheckResult, case_device, failed, not_implemented, passed, short
+from .core import CheckResult, call_learner, case_device, failed, not_implemented, passed, short
 
 
 def _reference_adopt(manager, seq_id, blocks, num_tokens):
@@ -114,8 +114,9 @@ def check_transfer_plan(fn) -> CheckResult:
     for table, num_tokens, free in (([5, 6, 7], 10, [3]), ([5, 6, 7, 8], 13, [3, 4])):
         alloc = _Allocator(free)
         what = f"a {len(table)}-block transfer when the decode side has only {len(free)} free block(s)"
-        got, err = _call(fn, 1, list(table), num_tokens, 4, alloc, alloc.release)
-        if isinstance(err, NotImplementedError):
+        try:
+            got, err = call_learner(fn, 1, list(table), num_tokens, 4, alloc, alloc.release)
+        except NotImplementedError:
             return not_implemented(name, transfer_plan)
         if not isinstance(err, OutOfBlocks):
             outcome = f"raised {type(err).__name__}: {err}" if err else f"returned {short(got)}"
@@ -134,8 +135,9 @@ def check_transfer_plan(fn) -> CheckResult:
         ((1, [5], 9, 4), "9 tokens of blocks of 4 in a 1-block table"),
     ):
         alloc = _Allocator([1, 2, 3])
-        got, err = _call(fn, *args, alloc, alloc.release)
-        if isinstance(err, NotImplementedError):
+        try:
+            got, err = call_learner(fn, *args, alloc, alloc.release)
+        except NotImplementedError:
             return not_implemented(name, transfer_plan)
         if not isinstance(err, ValueError):
             outcome = f"raised {type(err).__name__}: {err}" if err else f"returned {short(got)}"
@@ -152,13 +154,6 @@ def check_transfer_plan(fn) -> CheckResult:
         "decode side runs out, bad requests refused before any block is taken.",
         fn,
     )
-
-
-def _call(fn, *args):
-    try:
-        return fn(*args), None
-    except Exception as err:  # noqa: BLE001 - NotImplementedError included: the caller decides
-        return None, err
 
 
 def _caches(seed, layers=2, num_blocks=9, block_size=4, heads=2, d=8, dtype=torch.float32):

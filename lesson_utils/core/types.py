@@ -12,7 +12,8 @@ scheduler reaches a memory manager only through :class:`MemoryManager`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import numbers
+from dataclasses import dataclass, field, replace
 from enum import Enum
 from typing import Protocol
 
@@ -89,6 +90,12 @@ class Request:
         return self.prompt_len + self.output_len
 
 
+def is_int(value) -> bool:
+    """An integer (Python's or NumPy's) and not a bool: ``True`` is an int to Python, and no count, id or size in the
+    course is ever meant as one - the one check every argument that must be a whole number goes through."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
 @dataclass(eq=False)
 class Sequence:
     """A request being served. ``len`` = prompt tokens + tokens generated so far.
@@ -133,6 +140,23 @@ class Sequence:
         self.token_steps.append(step)
         if self.first_token_step is None:
             self.first_token_step = step
+
+    def fork(self, new_id: int) -> "Sequence":
+        """A copy of this sequence under sequence id ``new_id`` (parallel sampling's siblings, beam search's beams):
+        the same request otherwise, its tokens, counts and timings so far (lists copied, never shared), running.
+        What belongs to one sequence alone starts fresh: no generator (the caller seeds its own), no samples or
+        pending forks, no preemptions. Its blocks are the memory manager's business (``manager.fork``)."""
+        return replace(
+            self,
+            request=replace(self.request, req_id=new_id),
+            output_ids=list(self.output_ids),
+            token_steps=list(self.token_steps),
+            generator=None,
+            samples=[],
+            pending_forks=0,
+            preemptions=0,
+            status=SequenceStatus.RUNNING,
+        )
 
     @property
     def seq_id(self) -> int:

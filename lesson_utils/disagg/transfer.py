@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+from lesson_utils.core.types import is_int
 from lesson_utils.memory.block_table import blocks_needed
 from lesson_utils.memory.swap import swap_mapping
 
@@ -39,7 +40,7 @@ class TransferPlan:
 
 
 def _count(value, what: str, least: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
+    if not is_int(value):
         raise TypeError(f"{what} is an int, got {type(value).__name__} {value!r}")
     if value < least:
         raise ValueError(f"{what} must be at least {least}, got {value}")

@@ -37,6 +37,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from lesson_utils.core.types import is_int
+
 PREFILL, DECODE = 0, 1
 END = -1
 
@@ -422,13 +424,13 @@ def check_requests(requests, vocab_size: int, max_positions: int) -> None:
         if not isinstance(item, (tuple, list)) or len(item) not in (3, 4):
             raise TypeError(f"request {i} is (req_id, prompt_ids, max_new_tokens[, arrival_s]), got {item!r}")
         req_id, prompt, max_new, *arrival = item
-        if isinstance(req_id, bool) or not isinstance(req_id, int) or req_id < 0:
+        if not is_int(req_id) or req_id < 0:
             raise ValueError(f"request {i}: req_id must be a non-negative int, got {req_id!r}")
         if req_id in seen:
             raise ValueError(f"request {i}: req_id {req_id} is used twice")
         seen.add(req_id)
         prompt = check_token_ids(prompt, vocab_size, f"request {req_id}'s prompt")
-        if isinstance(max_new, bool) or not isinstance(max_new, int) or max_new < 1:
+        if not is_int(max_new) or max_new < 1:
             raise ValueError(f"request {req_id}: max_new_tokens must be an int of at least 1, got {max_new!r}")
         if len(prompt) + max_new > max_positions:
             raise ValueError(

@@ -22,6 +22,8 @@ from typing import Any, Callable
 
 import numpy as np
 
+from lesson_utils.core.types import is_int
+
 CONTENTION_WARNING = 0.25  # other processes' share of all cores' time above which a measurement is flagged
 
 
@@ -233,9 +235,9 @@ def measure(
     """
     if not variants:
         raise ValueError("measure needs at least one variant")
-    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+    if not is_int(repeats) or repeats < 1:
         raise ValueError(f"repeats must be a positive int, got {repeats!r}")
-    if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
+    if not is_int(warmup) or warmup < 0:
         raise ValueError(f"warmup must be a non-negative int, got {warmup!r}")
     names = list(variants)
     warm = warmup_variants or variants

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from lesson_utils.core.types import OutOfBlocks
+from lesson_utils.core.types import OutOfBlocks, is_int
 
 
 class BlockIds:
@@ -21,7 +21,7 @@ class BlockIds:
     share. Each keeps its own free queue; ``num_free`` is theirs, ``num_used`` follows from it."""
 
     def __init__(self, num_blocks: int):
-        if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 1:
+        if not is_int(num_blocks) or num_blocks < 1:
             raise ValueError(f"a KV cache needs at least one block, got {num_blocks!r}")
         self.num_blocks = num_blocks
 

@@ -33,7 +33,7 @@ from typing import Callable
 import numpy as np
 
 from lesson_utils.core.state import capture
-from lesson_utils.core.types import FREE, INTERNAL, TOKEN, NeverFits, OutOfBlocks, Sequence, SlotKind
+from lesson_utils.core.types import FREE, INTERNAL, TOKEN, NeverFits, OutOfBlocks, Sequence, SlotKind, is_int
 from lesson_utils.memory.block_allocator import BlockAllocator
 from lesson_utils.memory.block_table import BlockTable, blocks_needed, grow_block_table
 from lesson_utils.memory.snapshot import BlockSnapshot
@@ -173,7 +173,7 @@ class BlockManager:
         """THE release: take ``seq_id``'s table out of the manager and give its blocks back, one reference each
         (finished, aborted, preempted, or swapped out: lesson 06 keeps the returned table's ids to copy the blocks
         out before anyone writes them again). Raises ``ValueError`` for a sequence that holds no blocks."""
-        if isinstance(seq_id, bool) or not isinstance(seq_id, int):
+        if not is_int(seq_id):
             raise TypeError(f"free takes a sequence id (an int: seq.seq_id), got {type(seq_id).__name__}")
         table = self.tables.pop(seq_id, None)
         if table is None:
@@ -224,7 +224,7 @@ class BlockManager:
         a reference taken for this table. Reference for exercise 09-3."""
         if seq_id in self.tables:
             raise ValueError(f"sequence {seq_id} already holds blocks")
-        if isinstance(num_tokens, bool) or not isinstance(num_tokens, int):
+        if not is_int(num_tokens):
             raise TypeError(f"num_tokens is an int, got {type(num_tokens).__name__} {num_tokens!r}")
         if num_tokens < 1:
             raise ValueError(f"a sequence holds at least one token, got num_tokens={num_tokens}")

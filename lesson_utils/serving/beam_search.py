@@ -11,7 +11,7 @@ in that order, and ``group.scores[i]`` is the summed log-probability of ``group.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -51,17 +51,7 @@ class BeamGroup:
         for index, token, score in self.choose(rows):  # forks first: a fork copies its parent before it grows
             parent = self.beams[index]
             if index in used:
-                child = Sequence(
-                    replace(parent.request, req_id=new_seq_id()),
-                    num_generated=parent.num_generated,
-                    admitted_step=parent.admitted_step,
-                    first_token_step=parent.first_token_step,
-                    output_ids=list(parent.output_ids),
-                    token_steps=list(parent.token_steps),
-                    kv_len=parent.kv_len,
-                    beam=self,
-                    status=SequenceStatus.RUNNING,
-                )
+                child = parent.fork(new_seq_id())
                 manager.fork(parent.seq_id, child.seq_id)
                 beams.append((child, token, score))
             else:

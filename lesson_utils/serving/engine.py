@@ -23,14 +23,13 @@ requests prefilled elsewhere (lesson 09: :mod:`lesson_utils.disagg.handover`).
 
 from __future__ import annotations
 
-import numbers
 import time
 from dataclasses import dataclass, field
 
 import torch
 
 from lesson_utils.cache.host_blocks import HostBlocks
-from lesson_utils.core.types import Request, Sequence, SequenceStatus, SlotKind
+from lesson_utils.core.types import Request, Sequence, SequenceStatus, SlotKind, is_int
 from lesson_utils.model.opt_forward import OPTWeights
 from lesson_utils.serving.beam_search import BeamGroup
 from lesson_utils.serving.checkpoint import StepCheckpoint
@@ -59,7 +58,7 @@ def check_token_ids(ids, vocab_size: int, what: str = "prompt") -> list[int]:
         )
     out = []
     for i, t in enumerate(ids):
-        if isinstance(t, bool) or not isinstance(t, numbers.Integral):
+        if not is_int(t):
             raise TypeError(f"{what} token {i} is {t!r} ({type(t).__name__}); token ids are ints")
         if not 0 <= t < vocab_size:
             raise ValueError(
@@ -95,7 +94,7 @@ class StepStats:
 
 
 def _positive_int(value, what: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    if not is_int(value) or value < 1:
         raise ValueError(f"{what} must be an int of at least 1, got {value!r}")
     return value
 

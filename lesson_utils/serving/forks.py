@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import Callable
 
 import torch
 
-from lesson_utils.core.types import Sequence, SequenceStatus
+from lesson_utils.core.types import Sequence
 
 
 def fork_samples(parent: Sequence, manager, new_seq_id: Callable[[], int]) -> list[Sequence]:
@@ -17,18 +16,7 @@ def fork_samples(parent: Sequence, manager, new_seq_id: Callable[[], int]) -> li
     first token from the parent's logits row. Returns them (running); the parent forks no more."""
     children = []
     for i in range(parent.pending_forks):
-        child = Sequence(
-            replace(parent.request, req_id=new_seq_id()),
-            num_generated=parent.num_generated,
-            admitted_step=parent.admitted_step,
-            output_ids=list(parent.output_ids),
-            token_steps=list(parent.token_steps),
-            eos_token_id=parent.eos_token_id,
-            kv_len=parent.kv_len,
-            temperature=parent.temperature,
-            added_at=parent.added_at,
-            status=SequenceStatus.RUNNING,
-        )
+        child = parent.fork(new_seq_id())
         if parent.temperature > 0:
             child.generator = torch.Generator().manual_seed(int(parent.generator.initial_seed()) + 1000 * (i + 1))
         manager.fork(parent.seq_id, child.seq_id)

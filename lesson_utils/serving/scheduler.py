@@ -19,7 +19,7 @@ from typing import Callable
 import torch
 
 from lesson_utils.core.host_copy import to_device
-from lesson_utils.core.types import MemoryManager, OutOfBlocks, Sequence, SequenceStatus
+from lesson_utils.core.types import MemoryManager, OutOfBlocks, Sequence, SequenceStatus, is_int
 from lesson_utils.serving import sampling
 from lesson_utils.serving.forks import fork_samples
 from lesson_utils.serving.output import RunnerOutput, StepPlan
@@ -28,7 +28,7 @@ from lesson_utils.serving.token_budget import ChunkedPrefill, QueueView, TokenSt
 
 
 def _positive(value, what: str) -> None:
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+    if value is not None and (not is_int(value) or value < 1):
         raise ValueError(f"{what} must be a positive int, got {value!r}")
 
 

@@ -23,6 +23,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Callable
 
+from lesson_utils.core.types import is_int
+
 
 @dataclass(frozen=True)
 class TokenState:
@@ -150,7 +152,7 @@ class ChunkedPrefill:
     plan_fn: Callable = budgeted_schedule
 
     def __post_init__(self):
-        if isinstance(self.budget, bool) or not isinstance(self.budget, int) or self.budget < 1:
+        if not is_int(self.budget) or self.budget < 1:
             raise ValueError(f"the token budget of chunked prefill must be a positive int, got {self.budget!r}")
         if not callable(self.plan_fn):
             raise TypeError(
@@ -175,7 +177,7 @@ def check_chunks(chunks, running: list, waiting_ids: Iterable[int], budget: int 
                 "Chunk(seq_id, start, end) (lesson_utils.serving.token_budget.Chunk)"
             )
         if not (type(c.seq_id) is int and type(c.start) is int and type(c.end) is int) and any(
-            isinstance(v, bool) or not isinstance(v, int) for v in (c.seq_id, c.start, c.end)
+            not is_int(v) for v in (c.seq_id, c.start, c.end)
         ):  # (the fast test first: a plan holds every running sequence, hundreds in a simulation)
             raise TypeError(f"chunk {c} from {name}: seq_id, start and end are ints")
         if c.seq_id in seen:

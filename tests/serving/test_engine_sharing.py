@@ -317,3 +317,28 @@ def test_simulated_prefix_caching_on_a_shared_system_prompt_stream():
     assert off.cached_prompt_tokens == 0 and on.prompt_tokens == off.prompt_tokens
     assert on.cached_prompt_tokens > 0.8 * on.prompt_tokens  # the 25 system-prompt blocks of each ~420-token prompt
     assert held_on < 0.4 * held_off, (held_on, held_off)  # measured: about 0.27
+
+
+def test_a_forked_sequence_copies_its_progress_and_shares_nothing_mutable():
+    """One clone for forks and beams (Sequence.fork): every field of progress copied, no list shared, the
+    per-sequence state fresh - a field added to Sequence later is copied unless listed as fresh."""
+    from dataclasses import fields
+
+    import torch
+
+    from lesson_utils.core.types import Request, Sequence, SequenceStatus
+
+    parent = Sequence(Request(3, 1.5, 4, 9, prompt_ids=[2, 5, 6, 7]), eos_token_id=2, temperature=0.7, kv_len=5)
+    parent.append_token(11, 4)
+    parent.generator, parent.samples, parent.pending_forks, parent.preemptions = torch.Generator(), [parent], 2, 1
+    parent.first_token_s, parent.added_at, parent.beam = 0.25, 9.0, "group"
+    child = parent.fork(17)
+    assert child.seq_id == 17 and parent.seq_id == 3 and child.request.prompt_ids == parent.request.prompt_ids
+    fresh = {"request", "generator", "samples", "pending_forks", "preemptions", "status"}
+    for f in fields(Sequence):
+        if f.name not in fresh:
+            assert getattr(child, f.name) == getattr(parent, f.name), f.name
+    assert (child.generator, child.samples, child.pending_forks, child.preemptions) == (None, [], 0, 0)
+    assert child.status is SequenceStatus.RUNNING
+    child.append_token(12, 5)
+    assert parent.output_ids == [11] and parent.token_steps == [4] and child.output_ids == [11, 12]
