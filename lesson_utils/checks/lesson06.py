@@ -127,7 +127,7 @@ def check_reset_for_recompute(fn) -> CheckResult:
         Request(3, 0.0, 5, 20, prompt_ids=[2, 9, 9, 9, 9]),
         num_generated=4,
         output_ids=[7, 8, 9, 10],
-        kv_len=8,
+        num_computed=8,
         admitted_step=2,
     )
     seq.preemptions = 2  # preempted twice before: this is the third
@@ -138,9 +138,9 @@ def check_reset_for_recompute(fn) -> CheckResult:
     except Exception as err:  # noqa: BLE001
         return failed(name, f"your code raised {type(err).__name__}: {err}", S.reset_for_recompute)
     problems = []
-    if seq.kv_len != 0:
+    if seq.num_computed != 0:
         problems.append(
-            f"kv_len is {seq.kv_len}: how many of this sequence's tokens are still in the cache once it "
+            f"num_computed is {seq.num_computed}: how many of this sequence's tokens are still in the cache once it "
             "is preempted by recompute?"
         )
     if seq.output_ids != [7, 8, 9, 10] or seq.num_generated != 4:
@@ -155,7 +155,7 @@ def check_reset_for_recompute(fn) -> CheckResult:
     if problems:
         return failed(
             name,
-            "after resetting a sequence with a 5-token prompt and 4 generated tokens (kv_len 8, preempted twice before): "
+            "after resetting a sequence with a 5-token prompt and 4 generated tokens (num_computed 8, preempted twice before): "
             + "; ".join(problems),
             S.reset_for_recompute,
         )

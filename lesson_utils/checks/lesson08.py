@@ -71,7 +71,7 @@ _NAMED = [
 
 def _describe(case) -> str:
     running, waiting, budget, answers = case
-    show = lambda states: "[" + ", ".join(f"{s.seq_id}: {s.computed}/{s.length}" for s in states) + "]"  # noqa: E731
+    show = lambda states: "[" + ", ".join(f"{s.seq_id}: {s.num_computed}/{s.length}" for s in states) + "]"  # noqa: E731
     told = {k: v for k, v in answers.items() if v is not None and v > 0}
     full = [k for k, v in answers.items() if v is None]
     return (
@@ -97,7 +97,7 @@ def _why(case, want: list[Chunk], got: list[Chunk], calls: list[int], want_calls
     ids = [c.seq_id for c in got]
     if len(ids) != len(set(ids)):
         return "a sequence got two chunks: give each at most one range per step"
-    decodes = [s.seq_id for s in running if s.length - s.computed == 1]
+    decodes = [s.seq_id for s in running if s.length - s.num_computed == 1]
     got_decodes = [c.seq_id for c in got if c.seq_id in decodes]
     if got_decodes != decodes[: len(got_decodes)] or (len(got_decodes) < min(len(decodes), budget)):
         return (
@@ -115,7 +115,7 @@ def _why(case, want: list[Chunk], got: list[Chunk], calls: list[int], want_calls
         )
     for c in got:
         s = state[c.seq_id]
-        start = answers.get(c.seq_id, 0) if s in waiting else s.computed
+        start = answers.get(c.seq_id, 0) if s in waiting else s.num_computed
         if c.start != start:
             return (
                 f"{c} should start at token {start}: where the sequence's computed tokens end "

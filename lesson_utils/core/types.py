@@ -100,8 +100,8 @@ def is_int(value) -> bool:
 class Sequence:
     """A request being served. ``len`` = prompt tokens + tokens generated so far.
 
-    ``kv_len`` counts the tokens whose K/V are in the cache - vLLM calls it ``num_computed_tokens`` (the runner
-    feeds ``token_ids[kv_len:]`` next); a preempted sequence drops back to 0 and is prefilled again.
+    ``num_computed`` counts the tokens whose K/V are in the cache - vLLM calls it ``num_computed_tokens`` (the runner
+    feeds ``token_ids[num_computed:]`` next); a preempted sequence drops back to 0 and is prefilled again.
     ``eos_token_id`` ends the sequence early when generated (real runs only; simulations know lengths).
     ``status`` says where it is (:class:`SequenceStatus`); only the scheduler changes it.
     """
@@ -113,7 +113,7 @@ class Sequence:
     finished_step: int | None = None
     output_ids: list[int] = field(default_factory=list)
     eos_token_id: int | None = None
-    kv_len: int = 0
+    num_computed: int = 0
     preemptions: int = 0
     temperature: float = 0.0  # 0 = greedy
     generator: object = None  # a torch.Generator for sampling

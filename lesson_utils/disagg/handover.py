@@ -115,7 +115,7 @@ def receive(
     block taken here is given back before the error is raised."""
     req = prefilled.request
     step = len(engine.stats)
-    seq = Sequence(req, eos_token_id=eos_token_id, kv_len=req.prompt_len, admitted_step=step)
+    seq = Sequence(req, eos_token_id=eos_token_id, num_computed=req.prompt_len, admitted_step=step)
     seq.append_token(prefilled.first_token, step)
     if finishes_at_once(prefilled, eos_token_id):
         seq.finished_step = step

@@ -8,7 +8,7 @@
   and only the writer's table is repointed (**copy-on-write**); the copy itself is done by the cache on its
   tensors (:meth:`~SharingBlockManager.pop_copies`).
 * With prefix caching on, admitting a sequence first looks its prompt up block by block (chained hashes,
-  tokens verified) and starts it with the hits already computed (``seq.kv_len``). The last prompt token is
+  tokens verified) and starts it with the hits already computed (``seq.num_computed``). The last prompt token is
   always recomputed - its logits are needed to sample the first output token - so at most
   ``(len(prompt) - 1) // block_size`` blocks can hit. Blocks are registered once they are full and computed.
 
@@ -156,9 +156,9 @@ class SharingBlockManager(BlockManager):
         except OutOfBlocks:
             self.free(seq.seq_id)
             raise
-        seq.kv_len = len(hits) * self.block_size
+        seq.num_computed = len(hits) * self.block_size
         self.prompt_tokens += seq.len
-        self.cached_prompt_tokens += seq.kv_len
+        self.cached_prompt_tokens += seq.num_computed
 
     def append_slot(self, seq: Sequence) -> None:
         """Room for the next token, and the block of the token written next step made exclusive."""
@@ -171,14 +171,14 @@ class SharingBlockManager(BlockManager):
         self._make_writable(seq.seq_id, seq.len - 1, seq.len + 1)
 
     def cache_computed(self, seq: Sequence) -> None:
-        """Register the sequence's full blocks whose K/V are computed (``seq.kv_len``) and tokens known."""
+        """Register the sequence's full blocks whose K/V are computed (``seq.num_computed``) and tokens known."""
         if not self.pool.enable_caching:
             return
         table, hashes = self.tables.get(seq.seq_id), self._hashes.setdefault(seq.seq_id, [])
         if table is None:
             return
         tokens = seq.token_ids
-        full = min(seq.kv_len, len(tokens), table.num_tokens) // self.block_size
+        full = min(seq.num_computed, len(tokens), table.num_tokens) // self.block_size
         for i in range(len(hashes), full):
             chunk = tokens[i * self.block_size : (i + 1) * self.block_size]
             h = self._hash(hashes[-1] if hashes else NO_PARENT, chunk)

@@ -37,9 +37,9 @@ class StepWork:
     @classmethod
     def of_plan(cls, plan) -> "StepWork":
         """The work of a :class:`~lesson_utils.serving.scheduler.StepPlan` once it has run (each scheduled
-        sequence's ``kv_len`` then counts the tokens its last token attended over)."""
+        sequence's ``num_computed`` then counts the tokens its last token attended over)."""
         fed = sum(plan.num_tokens)
-        return cls(fed - plan.prefill_tokens, plan.prefill_tokens, sum(s.kv_len for s in plan.scheduled))
+        return cls(fed - plan.prefill_tokens, plan.prefill_tokens, sum(s.num_computed for s in plan.scheduled))
 
     def features(self) -> np.ndarray:
         """Lesson 07's features (:class:`StepCost`)."""

@@ -54,7 +54,7 @@ class ModelRunner:
             self.before_writes()
         device = self.w.embed_tokens.device
         if counts is None:
-            counts = [len(s.token_ids) - s.kv_len for s in seqs]
-        tokens = [seq.token_ids[seq.kv_len : seq.kv_len + n] for seq, n in zip(seqs, counts)]
-        batch = StepBatch.build([s.seq_id for s in seqs], tokens, [s.kv_len for s in seqs], device=device)
+            counts = [len(s.token_ids) - s.num_computed for s in seqs]
+        tokens = [seq.token_ids[seq.num_computed : seq.num_computed + n] for seq, n in zip(seqs, counts)]
+        batch = StepBatch.build([s.seq_id for s in seqs], tokens, [s.num_computed for s in seqs], device=device)
         return forward(self.w, batch, self.cache, last_only=True)

@@ -46,7 +46,7 @@ class StepPlan:
 class RunnerOutput:
     """What the runner computed for a plan (``runner.execute(plan)``)."""
 
-    num_computed: list[int]  # per plan.scheduled: tokens whose K/V this step computed
+    new_computed: list[int]  # per plan.scheduled: tokens whose K/V this step computed
     logits: (
         torch.Tensor | None
     )  # [len(plan.sampling), vocab]: their rows, in that order; None from the accounting runner

@@ -19,7 +19,7 @@ def reset_for_recompute(seq: Sequence) -> None:
     The prompt and the tokens generated so far are prefilled again when the sequence is readmitted; its
     output so far, and how many tokens it has generated, do not change.
     """
-    seq.kv_len = 0
+    seq.num_computed = 0
     seq.preemptions += 1
 
 

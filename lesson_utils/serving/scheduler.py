@@ -7,7 +7,7 @@ when it finishes. Lesson 02 plugs in contiguous reservations (Max / Pow2 / Oracl
 the same scheduler then drives either a real model (the engine) or the memory-accounting runner (the simulator).
 
 Token accounting, the same everywhere: a sequence holds one slot for every prompt token from admission, and one
-more for each token it generates, from the step that produces it. ``Sequence.kv_len`` counts the tokens whose K/V
+more for each token it generates, from the step that produces it. ``Sequence.num_computed`` counts the tokens whose K/V
 are computed (vLLM's ``num_computed_tokens``).
 """
 
@@ -179,7 +179,7 @@ class FCFSScheduler:
         if self.chunked is None and self.swapped:
             swap_in = self._swap_in(step, {})  # {cpu: gpu} this step's swap-ins moved: a shared block moves once
         admitted: list[Sequence] = []
-        saved: dict[int, tuple[int, int | None]] = {}  # seq_id -> (kv_len, admitted_step) before admission
+        saved: dict[int, tuple[int, int | None]] = {}  # seq_id -> (num_computed, admitted_step) before admission
 
         def admit(seq_id: int) -> int | None:
             if not self.waiting or self.waiting[0].seq_id != seq_id:
@@ -190,15 +190,15 @@ class FCFSScheduler:
             seq = self.waiting[0]
             if not self._room_for_another() or not self.manager.can_allocate(seq):
                 return None
-            saved[seq.seq_id] = (seq.kv_len, seq.admitted_step)
-            self.manager.allocate(seq)  # prefix-cache hits set seq.kv_len
+            saved[seq.seq_id] = (seq.num_computed, seq.admitted_step)
+            self.manager.allocate(seq)  # prefix-cache hits set seq.num_computed
             self.waiting.popleft()
             seq.admitted_step, seq.status = step, SequenceStatus.RUNNING
             self.running.append(seq)
             admitted.append(seq)
-            return seq.kv_len
+            return seq.num_computed
 
-        state = [TokenState(s.seq_id, s.kv_len, s.len) for s in self.running]
+        state = [TokenState(s.seq_id, s.num_computed, s.len) for s in self.running]
         queue = QueueView([] if self.swapped else list(self.waiting))
         try:  # (swapped sequences come back before anyone new is admitted)
             chunks = self.plan_fn(state, queue, self.max_num_batched_tokens, admit)
@@ -242,7 +242,7 @@ class FCFSScheduler:
         left = None if self.max_num_batched_tokens is None else self.max_num_batched_tokens - len(self.running)
         while self.swapped and self._room_for_another():
             seq = self.swapped[0]
-            if left is not None and seq.len - seq.kv_len > left and self.running:
+            if left is not None and seq.len - seq.num_computed > left and self.running:
                 break
             if not self.swap_space.can_swap_in(self.manager, seq.seq_id, watermark if self.running else 0):
                 break
@@ -251,7 +251,7 @@ class FCFSScheduler:
             seq.admitted_step, seq.status = step, SequenceStatus.RUNNING
             self.running.append(seq)
             if left is not None:
-                left -= seq.len - seq.kv_len
+                left -= seq.len - seq.num_computed
         return copies
 
     def _undo_admissions(self, admitted: list[Sequence], saved: dict[int, tuple[int, int | None]]) -> None:
@@ -259,7 +259,7 @@ class FCFSScheduler:
         in its old order, with the computed count and admission step it had."""
         for seq in reversed(admitted):
             self.manager.free(seq.seq_id)
-            seq.kv_len, seq.admitted_step = saved[seq.seq_id]
+            seq.num_computed, seq.admitted_step = saved[seq.seq_id]
             seq.status = SequenceStatus.WAITING
             self.running = [s for s in self.running if s is not seq]
             self.waiting.appendleft(seq)
@@ -337,8 +337,8 @@ class FCFSScheduler:
         blocks); then ONE sampling call picks the next token of every sequence the plan says samples and of every
         new sample (from its parent's row), and appends them - beams excepted: their group chooses, keeping its
         best continuations; finished sequences free their memory."""
-        for seq, n in zip(plan.scheduled, output.num_computed):
-            seq.kv_len += n
+        for seq, n in zip(plan.scheduled, output.new_computed):
+            seq.num_computed += n
         due = [plan.scheduled[i] for i in plan.sampling]
         for seq in plan.scheduled:
             self.manager.cache_computed(seq)

@@ -9,7 +9,7 @@ decode gets one token, a prompt gets a chunk - and admits waiting requests throu
 * :func:`budgeted_schedule` - lesson 08's chunked prefill (exercise 08-1): vLLM v1 gives each step
   ``max_num_batched_tokens`` tokens. Running sequences that decode take one each, first; what is left goes to
   prompts, a chunk at a time: sequences still part-way through their prompt, then new requests in arrival order.
-  A sequence's *computed* count (``Sequence.kv_len``, vLLM's ``num_computed_tokens``) catches up with its length
+  A sequence's computed count (``num_computed``, vLLM's ``num_computed_tokens``) catches up with its length
   chunk by chunk; only the step that computes its last prompt token samples a token. A long prompt then no longer
   makes one step long: its cost moves to its own time to first token.
 
@@ -28,10 +28,10 @@ from lesson_utils.core.types import is_int
 
 @dataclass(frozen=True)
 class TokenState:
-    """A sequence as the token budget sees it: ``computed`` tokens have K/V in the cache, of ``length``."""
+    """A sequence as the token budget sees it: ``num_computed`` tokens have K/V in the cache, of ``length``."""
 
     seq_id: int
-    computed: int
+    num_computed: int
     length: int
 
 
@@ -59,7 +59,7 @@ class QueueView(abc.Sequence):
 
     @staticmethod
     def _state(seq) -> TokenState:
-        return TokenState(seq.seq_id, seq.kv_len, seq.len)
+        return TokenState(seq.seq_id, seq.num_computed, seq.len)
 
     def copy(self) -> list[TokenState]:
         return list(self)
@@ -92,10 +92,10 @@ def whole_prompts(
     """Every running sequence's uncomputed tokens (a decode: one), then whole prompts of waiting sequences in arrival
     order while ``admit`` finds room and the budget (None: no limit) has room; a prompt over what is left of the
     budget goes first next step, unless nothing else runs (a prompt larger than the budget must still run)."""
-    chunks = [Chunk(s.seq_id, s.computed, s.length) for s in running]
-    left = None if budget is None else budget - sum(s.length - s.computed for s in running)
+    chunks = [Chunk(s.seq_id, s.num_computed, s.length) for s in running]
+    left = None if budget is None else budget - sum(s.length - s.num_computed for s in running)
     for s in waiting:
-        if left is not None and s.length - s.computed > left and chunks:
+        if left is not None and s.length - s.num_computed > left and chunks:
             break
         computed = admit(s.seq_id)
         if computed is None:
@@ -123,13 +123,13 @@ def budgeted_schedule(
     chunks: list[Chunk] = []
     left = budget
     for s in running:
-        if left and s.length - s.computed == 1:
-            chunks.append(Chunk(s.seq_id, s.computed, s.length))
+        if left and s.length - s.num_computed == 1:
+            chunks.append(Chunk(s.seq_id, s.num_computed, s.length))
             left -= 1
     for s in running:
-        if left and s.length - s.computed > 1:
-            n = min(left, s.length - s.computed)
-            chunks.append(Chunk(s.seq_id, s.computed, s.computed + n))
+        if left and s.length - s.num_computed > 1:
+            n = min(left, s.length - s.num_computed)
+            chunks.append(Chunk(s.seq_id, s.num_computed, s.num_computed + n))
             left -= n
     for s in waiting:
         if not left:
@@ -191,11 +191,11 @@ def check_chunks(chunks, running: list, waiting_ids: Iterable[int], budget: int 
                     f"after admit({c.seq_id}) returned a number"
                 )
             raise ValueError(f"chunk {c} from {name}: no sequence {c.seq_id} is running or waiting here")
-        kv_len, length = seq.kv_len, seq.len
-        if not (c.start == kv_len and c.start < c.end <= length):
+        num_computed, length = seq.num_computed, seq.len
+        if not (c.start == num_computed and c.start < c.end <= length):
             raise ValueError(
-                f"chunk {c} from {name}: sequence {c.seq_id} has {seq.kv_len} of {seq.len} tokens computed, so "
-                f"its chunk runs from {seq.kv_len} to at most {seq.len}"
+                f"chunk {c} from {name}: sequence {c.seq_id} has {seq.num_computed} of {seq.len} tokens computed, so "
+                f"its chunk runs from {seq.num_computed} to at most {seq.len}"
             )
         seqs.append(seq)
         total += c.end - c.start

@@ -56,7 +56,7 @@ def test_choose_victim_mistakes():
 
 def test_reset_mistakes():
     def clears_output(seq):
-        seq.kv_len = 0
+        seq.num_computed = 0
         seq.output_ids.clear()
         seq.num_generated = 0
         seq.preemptions += 1
@@ -65,7 +65,7 @@ def test_reset_mistakes():
         seq.preemptions += 1
 
     def no_count(seq):
-        seq.kv_len = 0
+        seq.num_computed = 0
 
     assert rejected(lesson06.check_reset_for_recompute(clears_output), "keeps every token")
     assert rejected(lesson06.check_reset_for_recompute(keeps_cache), "still in the cache")

@@ -38,16 +38,18 @@ def test_unsolved_exercises_say_so():
 
 def prompts_first(running, waiting, budget, admit):
     out, left = [], budget
-    for s in [r for r in running if r.length - r.computed > 1] + [r for r in running if r.length - r.computed == 1]:
+    for s in [r for r in running if r.length - r.num_computed > 1] + [
+        r for r in running if r.length - r.num_computed == 1
+    ]:
         if left:
-            n = min(left, s.length - s.computed)
-            out.append(Chunk(s.seq_id, s.computed, s.computed + n))
+            n = min(left, s.length - s.num_computed)
+            out.append(Chunk(s.seq_id, s.num_computed, s.num_computed + n))
             left -= n
     return out
 
 
 def no_chunking(running, waiting, budget, admit):  # whole prompts, whatever the budget
-    out = [Chunk(s.seq_id, s.computed, s.length) for s in running]
+    out = [Chunk(s.seq_id, s.num_computed, s.length) for s in running]
     for s in waiting:
         c = admit(s.seq_id)
         if c is None:

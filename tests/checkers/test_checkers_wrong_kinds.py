@@ -207,7 +207,7 @@ def test_a_victim_tie_where_the_earlier_sequence_is_the_longer():
 
 def test_a_preemption_count_that_does_not_start_at_zero():
     def sets_one(seq):
-        seq.kv_len = 0
+        seq.num_computed = 0
         seq.preemptions = 1
 
     assert rejected(lesson06.check_reset_for_recompute(sets_one), "expected 3")

@@ -61,7 +61,7 @@ def test_a_request_its_first_token_finishes_is_never_decoded(tiny, why):
 def test_the_scheduler_refuses_to_decode_a_finished_sequence(tiny):
     _, w = tiny
     engine = Engine(w, PagedKVCache.for_model(w, 16, 4))
-    seq = Sequence(Request(3, 0.0, 4, 1, prompt_ids=[2, 5, 6, 7]), kv_len=4)
+    seq = Sequence(Request(3, 0.0, 4, 1, prompt_ids=[2, 5, 6, 7]), num_computed=4)
     seq.append_token(9, 0)
     with pytest.raises(ValueError, match="never decoded"):
         engine.scheduler.add_running(seq)

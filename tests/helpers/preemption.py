@@ -73,7 +73,7 @@ def check_step(sch: FCFSScheduler) -> None:
     for s in sch.swapped:  # a swapped sequence keeps its computed K/V (on the CPU), and its tokens' slots
         assert s.len <= sch.swap_space.cpu_tables[s.seq_id].num_tokens <= s.len + 1
     for s in sch.waiting:
-        assert s.kv_len == 0
+        assert s.num_computed == 0
 
 
 def assert_all_free(m: BlockManager, space: SwapSpace | None = None) -> None:
@@ -132,7 +132,9 @@ def count_batched_tokens(engine: Engine) -> list[tuple[int, int]]:
     logits = engine.runner.logits
 
     def spy(seqs, counts=None):
-        fed.append((sum(counts) if counts is not None else sum(len(s.token_ids) - s.kv_len for s in seqs), len(seqs)))
+        fed.append(
+            (sum(counts) if counts is not None else sum(len(s.token_ids) - s.num_computed for s in seqs), len(seqs))
+        )
         return logits(seqs, counts)
 
     engine.runner.logits = spy
@@ -169,7 +171,7 @@ class KVWatch:
                     f"step {self.engine._step - 1}: sequence {s.seq_id}'s cached K/V changed"
                 )
                 self.checked += 1
-            self.snap[s.seq_id] = (recomputed.get(s.seq_id, 0), s.kv_len, self._kv(s.seq_id, s.kv_len))
+            self.snap[s.seq_id] = (recomputed.get(s.seq_id, 0), s.num_computed, self._kv(s.seq_id, s.num_computed))
 
 
 def serve(
@@ -339,11 +341,11 @@ class CheckingRunner(simulator.AccountingRunner):
         for s in running:
             blocks = m.tables[s.seq_id].blocks
             if s.admitted_step == step:  # just swapped in, or admitted with cached prefix blocks
-                for p in range(s.kv_len):
+                for p in range(s.num_computed):
                     got = self.gpu.get((blocks[p // bs], p % bs))
                     assert got == self.content(s, p), f"step {step}: sequence {s.seq_id} position {p} holds {got}"
-                self.verified += s.kv_len
-            for p in range(s.kv_len, s.len):  # the forward writes every token not yet in the cache
+                self.verified += s.num_computed
+            for p in range(s.num_computed, s.len):  # the forward writes every token not yet in the cache
                 self.gpu[blocks[p // bs], p % bs] = self.content(s, p)
 
     def execute(self, plan):
@@ -354,12 +356,12 @@ class CheckingRunner(simulator.AccountingRunner):
         self._shadow_step(plan)
         for s in running:  # room was made for the token about to be generated, and nothing more
             assert sch.manager.tables[s.seq_id].num_tokens == s.len + 1
-        tokens = sum(s.len - s.kv_len for s in running)
+        tokens = sum(s.len - s.num_computed for s in running)
         budget = sch.max_num_batched_tokens
         # the budget holds every step. With forks (n - 1 more decodes without an admission) decodes alone may
         # exceed it, but a step that prefills (admits someone, or swaps in one that was swapped out before its
         # prefill ran) never does. One request over the budget alone runs alone.
-        prefills = sch.last_admitted or any(s.len - s.kv_len > 1 for s in running)
+        prefills = sch.last_admitted or any(s.len - s.num_computed > 1 for s in running)
         if budget is not None and (not sch.children or prefills):
             assert tokens <= budget or len(running) == 1, f"step {step}: {tokens} tokens over the budget {budget}"
         self.steps += 1

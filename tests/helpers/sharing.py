@@ -24,5 +24,5 @@ def chain_hash(prefix, block_size: int):
 def compute(m: SharingBlockManager, seq: Sequence) -> None:
     """Admit ``seq`` and compute its whole prompt (no token sampled), registering its full blocks."""
     m.allocate(seq)
-    seq.kv_len = seq.len
+    seq.num_computed = seq.len
     m.cache_computed(seq)

@@ -139,10 +139,10 @@ def test_lookup_rejects_a_hash_collision():
     assert m.pool.hash_of == {m.tables[0].blocks[0]: 42}  # the second block's "hash" was taken already
     b = make_seq(1, [1, 2, 7, 8, 9])  # same hash, other tokens
     m.allocate(b)
-    assert b.kv_len == 0 and not set(m.tables[1].blocks) & set(m.tables[0].blocks)
+    assert b.num_computed == 0 and not set(m.tables[1].blocks) & set(m.tables[0].blocks)
     c = make_seq(2, [5, 6, 3, 4, 9])  # first block really equal: hit; second: same hash, other tokens
     m.allocate(c)
-    assert c.kv_len == 2 and m.tables[2].blocks[0] == m.tables[0].blocks[0]
+    assert c.num_computed == 2 and m.tables[2].blocks[0] == m.tables[0].blocks[0]
     assert m.tables[2].blocks[1] != m.tables[0].blocks[0]
     m.check_invariants()
 
@@ -159,7 +159,7 @@ def test_a_collision_with_equal_tokens_but_another_prefix_is_not_a_hit():
     compute(m, make_seq(0, [5, 6, 7, 8, 9]))
     d = make_seq(1, [5, 6, 5, 6, 9])  # block 1 holds [5, 6] like block 0 - but after another prefix
     m.allocate(d)
-    assert d.kv_len == 2, "block 0's K/V (positions 0-1) handed out for positions 2-3"
+    assert d.num_computed == 2, "block 0's K/V (positions 0-1) handed out for positions 2-3"
 
 
 def test_the_tail_block_is_evicted_first():
@@ -179,7 +179,7 @@ def test_the_tail_block_is_evicted_first():
     m.free(b.seq_id)
     c = make_seq(2, [1, 2, 3, 4, 9])  # the first two blocks are still cached: hit both
     m.allocate(c)
-    assert m.tables[2].blocks[:2] == [head, middle] and c.kv_len == 4
+    assert m.tables[2].blocks[:2] == [head, middle] and c.num_computed == 4
     m.check_invariants()
 
 
@@ -192,7 +192,7 @@ def test_a_freed_cached_block_is_hit_until_it_is_evicted():
     again = make_seq(1, [1, 2, 7])
     assert m.can_allocate(again)
     m.allocate(again)
-    assert m.tables[1].blocks[0] == first and again.kv_len == 2 and m.pool.ref_count[first] == 1
+    assert m.tables[1].blocks[0] == first and again.num_computed == 2 and m.pool.ref_count[first] == 1
     m.free(1)
     filler = make_seq(2, [9] * 7)  # needs all four blocks: the cached one is reused, so evicted
     m.allocate(filler)
@@ -200,7 +200,7 @@ def test_a_freed_cached_block_is_hit_until_it_is_evicted():
     m.free(2)
     late = make_seq(3, [1, 2, 7])
     m.allocate(late)
-    assert late.kv_len == 0
+    assert late.num_computed == 0
 
 
 @pytest.mark.parametrize("block_size", [1, 2, 4])
@@ -212,14 +212,14 @@ def test_the_last_prompt_token_is_always_recomputed(block_size):
     again = make_seq(1, prompt)
     m.allocate(again)
     hit = (len(prompt) - 1) // block_size
-    assert again.kv_len == hit * block_size < len(prompt)
+    assert again.num_computed == hit * block_size < len(prompt)
     assert m.tables[1].blocks[:hit] == m.tables[0].blocks[:hit]
     assert m.tables[1].blocks[hit] != m.tables[0].blocks[hit]  # recomputed in a block of its own
     assert prefix_hits(m.pool, prompt, block_size) == m.tables[0].blocks[:hit]
     longer = make_seq(2, prompt + [0])  # one token more: every block of the prompt hits
     m.allocate(longer)
-    assert longer.kv_len == len(prompt)
-    assert m.cached_prompt_tokens == again.kv_len + longer.kv_len
+    assert longer.num_computed == len(prompt)
+    assert m.cached_prompt_tokens == again.num_computed + longer.num_computed
     assert m.prompt_tokens == 3 * len(prompt) + 1
     m.check_invariants()
 
@@ -229,7 +229,7 @@ def test_prefix_caching_off_never_hits():
     compute(m, make_seq(0, [1, 2, 3, 4, 5]))
     again = make_seq(1, [1, 2, 3, 4, 5])
     m.allocate(again)
-    assert again.kv_len == 0 and not m.pool.hash_of and m.cached_prompt_tokens == 0
+    assert again.num_computed == 0 and not m.pool.hash_of and m.cached_prompt_tokens == 0
     assert not set(m.tables[0].blocks) & set(m.tables[1].blocks)
 
 
@@ -303,7 +303,7 @@ def test_n_holders_of_a_shared_partial_block_cost_n_minus_1_copies(n, prompt_len
     m = SharingBlockManager(32, 4, watermark=0.0)
     parent = make_seq(0, list(range(prompt_len)))
     m.allocate(parent)
-    parent.kv_len = parent.len
+    parent.num_computed = parent.len
     parent.output_ids.append(99)
     parent.num_generated += 1  # computed up to its first generated token, as the engine forks
     m.append_slot(parent)
@@ -311,7 +311,9 @@ def test_n_holders_of_a_shared_partial_block_cost_n_minus_1_copies(n, prompt_len
     seqs = [parent]
     for c in range(1, n + 1):
         m.fork(0, c)
-        child = Sequence(replace(parent.request, req_id=c), num_generated=1, output_ids=[100 + c], kv_len=parent.kv_len)
+        child = Sequence(
+            replace(parent.request, req_id=c), num_generated=1, output_ids=[100 + c], num_computed=parent.num_computed
+        )
         seqs.append(child)
     last = m.tables[0].blocks[prompt_len // 4]  # holds position prompt_len, written next step
     assert m.pool.ref_count[last] == n + 1

@@ -126,7 +126,7 @@ def _state(sch, manager):
     return (
         [s.seq_id for s in sch.waiting],
         [s.seq_id for s in sch.running],
-        [(s.kv_len, s.admitted_step) for s in sch.waiting],
+        [(s.num_computed, s.admitted_step) for s in sch.waiting],
         manager.num_free_blocks,
         dict(manager.tables),
     )

@@ -84,11 +84,13 @@ class BudgetRunner(simulator.AccountingRunner):
         counts = plan.tokens_to_feed()
         total = sum(counts)
         assert total <= self.sch.max_num_batched_tokens, f"step {plan.step}: {total} tokens"
-        ready = [s for s in self.sch.running if s.len - s.kv_len == 1 and s.admitted_step < plan.step]
+        ready = [s for s in self.sch.running if s.len - s.num_computed == 1 and s.admitted_step < plan.step]
         scheduled = {id(s) for s in plan.scheduled}
         if any(id(s) not in scheduled for s in ready):  # a decode waited: only other decodes may have run
             assert total == self.sch.max_num_batched_tokens, f"step {plan.step}: a decode waited, budget not spent"
-            assert all(s.len - s.kv_len == 1 for s in plan.scheduled), f"step {plan.step}: a chunk ran before a decode"
+            assert all(s.len - s.num_computed == 1 for s in plan.scheduled), (
+                f"step {plan.step}: a chunk ran before a decode"
+            )
         self.sch.manager.check_invariants()
         self.steps += 1
         self.max_tokens = max(self.max_tokens, total)
@@ -123,7 +125,7 @@ def test_chunked_scheduling_keeps_the_budget_finishes_every_prompt_and_leaks_not
     res = simulator.simulate(reqs, manager, scheduler=sch, runner=runner, progress=False, max_steps=50_000)
     assert sorted(s.seq_id for s in res.finished) == list(range(len(reqs)))
     for s in res.finished:
-        assert s.num_generated == s.request.output_len and s.kv_len == s.len - 1
+        assert s.num_generated == s.request.output_len and s.num_computed == s.len - 1
     assert not manager.tables and manager.allocator.num_free == num_blocks
     # without chunking the same requests generate the same lengths (the policy changes when, not what)
     plain = BlockManager(num_blocks, block_size, watermark=0.0)

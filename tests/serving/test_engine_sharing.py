@@ -151,7 +151,7 @@ def test_prefix_cache_under_memory_pressure_matches_hf(tiny, system_prompts, sys
 
     def spy(seq):
         allocate(seq)
-        admissions.append((seq.seq_id, seq.preemptions, seq.kv_len))
+        admissions.append((seq.seq_id, seq.preemptions, seq.num_computed))
 
     m.allocate = spy
     seqs = [engine.add_request(p, N_NEW) for p in prompts]
@@ -328,7 +328,7 @@ def test_a_forked_sequence_copies_its_progress_and_shares_nothing_mutable():
 
     from lesson_utils.core.types import Request, Sequence, SequenceStatus
 
-    parent = Sequence(Request(3, 1.5, 4, 9, prompt_ids=[2, 5, 6, 7]), eos_token_id=2, temperature=0.7, kv_len=5)
+    parent = Sequence(Request(3, 1.5, 4, 9, prompt_ids=[2, 5, 6, 7]), eos_token_id=2, temperature=0.7, num_computed=5)
     parent.append_token(11, 4)
     parent.generator, parent.samples, parent.pending_forks, parent.preemptions = torch.Generator(), [parent], 2, 1
     parent.first_token_s, parent.added_at, parent.beam = 0.25, 9.0, "group"

@@ -92,7 +92,7 @@ def test_a_sequence_swapped_out_before_its_prefill_counts_its_prompt_against_the
     a, b, c = Sequence(Request(0, 0.0, 5, 3)), Sequence(Request(1, 0.0, 4, 1)), Sequence(Request(2, 0.0, 4, 1))
     log = drive(sch, {0: [a], 1: [b], 3: [c]}, 20)
     assert [(e.step, e.seq_id, e.mode) for e in sch.events] == [(1, 1, "swap"), (2, 1, "swap")]
-    assert log[1]["admitted"] == [1] and log[1]["swapped"] == [1] and b.kv_len == 4
+    assert log[1]["admitted"] == [1] and log[1]["swapped"] == [1] and b.num_computed == 4
     assert log[3]["back"] == [1] and log[3]["admitted"] == [] and log[4]["admitted"] == [2]
     assert all(s.is_finished for s in (a, b, c)) and not sch.has_work
     assert_all_free(m, sch.swap_space)

@@ -85,7 +85,7 @@ def fingerprint(engine) -> dict:
         "queues": [[s.seq_id for s in q] for q in (sch.waiting, sch.running, sch.swapped, sch.finished)],
         "seqs": {
             s.seq_id: (
-                s.kv_len,
+                s.num_computed,
                 s.num_generated,
                 list(s.output_ids),
                 s.status,
@@ -120,7 +120,7 @@ def kv_contents(engine) -> dict:
     m, cache, out = engine.manager, engine.cache, {}
     seqs = {s.seq_id: s for s in engine.scheduler.running}
     for sid, table in m.tables.items():
-        n = seqs[sid].kv_len if sid in seqs else table.num_tokens
+        n = seqs[sid].num_computed if sid in seqs else table.num_tokens
         for kind in cache.slot_tensors:
             for layer, (k, v) in enumerate(zip(kind.k, kind.v)):
                 flat = [table.blocks[p // m.block_size] * m.block_size + p % m.block_size for p in range(n)]
