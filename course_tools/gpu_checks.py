@@ -224,7 +224,9 @@ def is_preempted(name: str) -> bool:
 @contextlib.contextmanager
 def cuda_sync_counter() -> Iterator[list]:
     """Counts CUDA's own record of synchronizing calls (``torch.cuda.set_sync_debug_mode("warn")``): yields a list
-    that holds one warning message per sync once the block ends."""
+    that holds one warning message per sync once the block ends. Refuses, saying so, where there is no CUDA."""
+    if not torch.cuda.is_available():
+        raise RuntimeError("the CUDA sync counter needs CUDA: on a CPU, count with discipline_sync_counter()")
     found: list = []
     previous = torch.cuda.get_sync_debug_mode()
     with warnings.catch_warnings(record=True) as caught:

@@ -1,8 +1,8 @@
 """Choosing a sequence's next token from its logits: greedy (argmax) or sampled with its own generator.
 
 Model-free: torch on a logits tensor. The scheduler's ``update_from_output`` calls :func:`next_tokens` once a step,
-for every row the plan says samples and every new parallel sample (its parent's row); lesson 09's prefill side
-calls it for the one request it prefills.
+for every row the plan says samples and every new parallel sample (its parent's row) - the only caller, lesson
+09's prefill side included (it runs the same step).
 """
 
 from __future__ import annotations

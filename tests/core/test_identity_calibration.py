@@ -70,9 +70,8 @@ def test_a_planted_kv_bug_is_caught_by_the_calibrated_threshold_and_excused_by_t
 @pytest.mark.parametrize("seed", [1, 2, 4])
 def test_a_small_planted_bug_is_caught_on_every_workload_with_the_later_tokens_checked(fp16_model, seed):
     """V written 10 % small: the first divergence alone sits at near-ties (it flips the nearest first); the tokens
-    after it, checked on the output's own text, give the bug away. Measured over seeds 1-6: 1-6 prompts of 6
-    caught per seed with the calibrated threshold (15 in all, 6 of them by the later-token check); none with the
-    fixed 0.25."""
+    after it, checked on the output's own text, give the bug away: at least one prompt per workload is caught with
+    the threshold calibrated in the run."""
     model, w = fp16_model
     prompts, new = _prompts(seed), 24
     hf = [identity.hf_greedy(model, p, new, None) for p in prompts]
