@@ -151,8 +151,8 @@ def unified_kernel_bench(
     head_dim=64, block_size=16,
 ) -> list[KernelRow]:  # fmt: skip
     """Lesson 08's unified kernel against lesson 04's kernel on decodes (query length 1) and gather + SDPA on chunks,
-    per ``(seqs, query_len, context)``: :func:`lesson_utils.lab.benchmark.time_unified_kernel`, with bytes."""
-    from lesson_utils.lab.benchmark import time_unified_kernel
+    per ``(seqs, query_len, context)``: :func:`lesson_utils.lab.kernel_timing.time_unified_kernel`, with bytes."""
+    from lesson_utils.lab.kernel_timing import time_unified_kernel
 
     spreads = []  # time_unified_kernel takes a median-only timer: keep each call's (median, low, high) in call order
 

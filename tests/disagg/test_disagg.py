@@ -20,8 +20,8 @@ from helpers import hf_greedy
 from lesson_utils.cache.attention import gather_kv
 from lesson_utils.cache.block_copy import pack_blocks, unpack_blocks
 from lesson_utils.core.types import OutOfBlocks
+from lesson_utils.disagg.launch import DisaggConfig, DisaggError, Faults, run_disaggregated
 from lesson_utils.disagg.transfer import transfer_plan
-from lesson_utils.disagg.workers import DisaggConfig, DisaggError, Faults, run_disaggregated
 from lesson_utils.memory.block_manager import BlockManager
 from lesson_utils.memory.block_table import blocks_needed
 

@@ -11,8 +11,8 @@ from lesson_utils.cache.block_copy import pack_blocks, unpack_blocks
 from lesson_utils.cache.paged import PagedKVCache
 from lesson_utils.core.types import OutOfBlocks, Request, Sequence
 from lesson_utils.disagg import handover
+from lesson_utils.disagg.launch import check_requests
 from lesson_utils.disagg.transfer import transfer_plan
-from lesson_utils.disagg.workers import check_requests
 from lesson_utils.memory.block_manager import BlockManager
 from lesson_utils.memory.sharing import SharingBlockManager
 from lesson_utils.serving.engine import Engine

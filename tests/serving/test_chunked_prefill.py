@@ -341,7 +341,7 @@ def test_the_gpu_timing_cell_runs_and_checks_before_it_times(disciplined):
     import time
 
     from lesson_utils.core.device_discipline import DEVICE, discipline
-    from lesson_utils.lab import benchmark
+    from lesson_utils.lab import kernel_timing
 
     calls = []
 
@@ -352,7 +352,7 @@ def test_the_gpu_timing_cell_runs_and_checks_before_it_times(disciplined):
         return (time.perf_counter() - t0) * 1e3
 
     with discipline() if disciplined else contextlib.nullcontext():
-        rows = benchmark.time_unified_kernel(
+        rows = kernel_timing.time_unified_kernel(
             [(3, 1, 16), (2, 5, 8)],
             heads=2,
             head_dim=16,
@@ -364,7 +364,7 @@ def test_the_gpu_timing_cell_runs_and_checks_before_it_times(disciplined):
     assert [r.baseline for r in rows] == ["decode kernel", "gather + SDPA"] and len(calls) == 4
     assert all(r.max_error < 1e-4 and r.unified_ms > 0 and r.baseline_ms > 0 for r in rows)
     with pytest.raises(ValueError, match="not a multiple of the block size"):
-        benchmark.time_unified_kernel(
+        kernel_timing.time_unified_kernel(
             [(1, 1, 10)], heads=2, head_dim=16, block_size=4, dtype=torch.float32, device="cpu", timer=timer
         )
 
