@@ -27,28 +27,26 @@ from __future__ import annotations
 
 import argparse
 import copy
-import difflib
-import json
 import re
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 
 import nbformat
 
-from course_tools.workspace import WORK_DIR, keep_copy
+from course_tools.course_config import BuildError, Course, load_course, write_course
+from course_tools.stubs import stub_solutions
+from course_tools.workspace import _committed_text, _rel, holds_learner_work, keep_copy
 
 if sys.version_info >= (3, 11):
-    import tomllib
+    pass
 else:  # pragma: no cover - python 3.10 gets tomli from the package dependencies
-    import tomli as tomllib
+    pass
 
 FIX_COMMAND = "python -m course_tools.build"
 LESSON_GLOB = "[0-9][0-9]_*.ipynb"
 SOLUTIONS_DIR = "solutions"
 NOTEBOOKS_DIR = "notebooks"
 LINKS_FILE = "colab_links.md"
-COURSE_TOML = Path("course_tools") / "course.toml"
 
 BADGE_IMAGE = "https://colab.research.google.com/assets/colab-badge.svg"
 KERNELSPEC = {"display_name": "Python 3 (ipykernel)", "language": "python", "name": "python3"}
@@ -63,96 +61,8 @@ MARKER_BADGE = "badge"
 MARKER_SETUP = "setup"
 MARKER_SOLUTION_ONLY = "solution_only"
 
-BEGIN_RE = re.compile(r"^(?P<indent>[ \t]*)#+[ \t]*BEGIN SOLUTION\b.*$")
-END_RE = re.compile(r"^(?P<indent>[ \t]*)#+[ \t]*END SOLUTION\b.*$")
-DEF_RE = re.compile(r"^(?P<indent>[ \t]*)(?:async[ \t]+)?def[ \t]+(?P<name>\w+)[ \t]*\(")
-REPO_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9_.-]+$")
-
-
-class BuildError(Exception):
-    """A solution notebook the build cannot turn into a student notebook (message names file and cell)."""
-
 
 # --------------------------------------------------------------------------- course.toml
-
-
-@dataclass(frozen=True)
-class Course:
-    """The repository the notebooks point at (from ``course_tools/course.toml``)."""
-
-    repo: str  # GitHub "owner/name"
-    ref: str  # branch, tag or commit
-    package: str  # pip distribution name
-    colab_gpu: str = "T4"  # Colab accelerator the notebooks request; "" for none
-
-    def colab_url(self, folder: str, name: str) -> str:
-        """Colab link that opens ``folder/name`` of this repository at this ref."""
-        return f"https://colab.research.google.com/github/{self.repo}/blob/{self.ref}/{folder}/{name}"
-
-    def pip_target(self) -> str:
-        return f"{self.package} @ git+https://github.com/{self.repo}@{self.ref}"
-
-
-def course_toml_path(root: Path | str | None = None) -> Path:
-    """``ROOT/course_tools/course.toml``; with no root, the one shipped inside the installed package."""
-    if root is None:
-        return Path(__file__).with_name("course.toml")
-    return Path(root) / COURSE_TOML
-
-
-def load_course(root: Path | str | None = None) -> Course:
-    """Read course.toml under ``root`` (falling back to the package's own copy when root has none)."""
-    path = course_toml_path(root)
-    if not path.exists():
-        path = course_toml_path(None)
-    with open(path, "rb") as f:
-        data = tomllib.load(f)
-    missing = [key for key in ("repo", "ref", "package") if not data.get(key)]
-    if missing:
-        raise BuildError(f"{path}: missing {', '.join(missing)}")
-    return Course(
-        repo=str(data["repo"]),
-        ref=str(data["ref"]),
-        package=str(data["package"]),
-        colab_gpu=str(data.get("colab_gpu", "T4")),
-    )
-
-
-def _toml_string(value: str) -> str:
-    return json.dumps(value)  # a JSON string with only printable ASCII escapes is a TOML basic string
-
-
-def write_course(root: Path | str, repo: str | None = None, ref: str | None = None) -> Course:
-    """Retarget ``ROOT/course_tools/course.toml`` to another repository and/or ref; returns the result."""
-    current = load_course(root)
-    new = Course(
-        repo=repo if repo is not None else current.repo,
-        ref=ref if ref is not None else current.ref,
-        package=current.package,
-        colab_gpu=current.colab_gpu,
-    )
-    if not REPO_RE.match(new.repo):
-        raise BuildError(f"--repo must look like OWNER/NAME, got {new.repo!r}")
-    if not new.ref or any(ch.isspace() for ch in new.ref):
-        raise BuildError(f"--ref must be a branch, tag or commit, got {new.ref!r}")
-    path = course_toml_path(root)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    old_text = path.read_text(encoding="utf-8") if path.exists() else ""
-    lines = old_text.splitlines() or [
-        f"repo = {_toml_string(current.repo)}",
-        f"ref = {_toml_string(current.ref)}",
-        f"package = {_toml_string(current.package)}",
-    ]
-    out = []
-    for line in lines:  # rewrite only the two values, keeping the comments around them
-        key = line.split("=", 1)[0].strip() if "=" in line and not line.lstrip().startswith("#") else ""
-        if key == "repo":
-            line = f"repo = {_toml_string(new.repo)}"
-        elif key == "ref":
-            line = f"ref = {_toml_string(new.ref)}"
-        out.append(line)
-    path.write_text("\n".join(out) + "\n", encoding="utf-8", newline="\n")
-    return load_course(root)
 
 
 # --------------------------------------------------------------------------- generated cells
@@ -269,52 +179,6 @@ def normalize_solution(nb, name: str, course: Course):
     out = _finish(cells, stem, course)
     out.metadata.update(extra_meta)
     return out
-
-
-def stub_solutions(source: str, where: str = "cell") -> str:
-    """Replace each BEGIN/END SOLUTION region of a code cell by a NotImplementedError stub.
-
-    The stub keeps the indentation of the BEGIN marker and names the nearest enclosing ``def``.
-    Raises BuildError (mentioning ``where``) on unbalanced or nested markers or a region outside a def.
-    """
-    lines = source.split("\n")
-    out: list[str] = []
-    begin: int | None = None
-    for number, line in enumerate(lines):
-        if BEGIN_RE.match(line):
-            if begin is not None:
-                raise BuildError(
-                    f"{where}: nested BEGIN SOLUTION at line {number + 1} "
-                    f"(the one at line {begin + 1} has no END SOLUTION yet)"
-                )
-            begin = number
-            indent = BEGIN_RE.match(line).group("indent")
-            name = _enclosing_def(lines, number, indent)
-            if name is None:
-                raise BuildError(
-                    f"{where}: BEGIN SOLUTION at line {number + 1} is not inside a function; "
-                    "exercises must be function bodies (def NAME(...):)"
-                )
-            out.append(f"{indent}# YOUR CODE HERE (exercise: {name})")
-            out.append(f"{indent}raise NotImplementedError(\"Exercise '{name}' is not solved yet\")")
-        elif END_RE.match(line):
-            if begin is None:
-                raise BuildError(f"{where}: END SOLUTION at line {number + 1} without a BEGIN SOLUTION")
-            begin = None
-        elif begin is None:
-            out.append(line)
-    if begin is not None:
-        raise BuildError(f"{where}: BEGIN SOLUTION at line {begin + 1} has no END SOLUTION")
-    return "\n".join(out)
-
-
-def _enclosing_def(lines: list[str], marker_line: int, indent: str) -> str | None:
-    width = len(indent.expandtabs(4))
-    for line in reversed(lines[:marker_line]):
-        match = DEF_RE.match(line)
-        if match and len(match.group("indent").expandtabs(4)) < width:
-            return match.group("name")
-    return None
 
 
 def make_student(solution_nb, name: str, course: Course):
@@ -467,116 +331,6 @@ def build(root: Path | str = ".", quiet: bool = False) -> list[Path]:
     return written
 
 
-def _rel(path: Path, root: Path) -> str:
-    try:
-        return path.relative_to(root).as_posix()
-    except ValueError:
-        return str(path)
-
-
-def _first_diff(old: str, new: str, label: str, context: int = 3, limit: int = 30) -> str:
-    diff = list(
-        difflib.unified_diff(
-            old.splitlines(), new.splitlines(), f"{label} (on disk)", f"{label} (built)", n=context, lineterm=""
-        )
-    )
-    hunk_starts = [i for i, line in enumerate(diff) if line.startswith("@@")]
-    if len(hunk_starts) > 1:
-        diff = diff[: hunk_starts[1]]
-    if len(diff) > limit:
-        diff = diff[:limit] + ["..."]
-    return "\n".join(diff)
-
-
-def holds_learner_work(on_disk: str, built: str, committed: str | None = None) -> bool:
-    """Whether a student notebook on disk holds a learner's work. With git, exactly: the file differs from its
-    committed version (``committed``; notebooks/ is generated, so nobody else edits it - a note, a new cell, an
-    answer beside a kept stub all count). Without git (a downloaded zip): outputs, or an exercise stub of the built
-    notebook replaced by something else (an answer)."""
-    if committed is not None:
-        return on_disk != committed
-    if _has_outputs(on_disk):
-        return True
-    stubs = {line.strip() for line in _code_lines(built) if "raise NotImplementedError(" in line}
-    return not stubs <= {line.strip() for line in _code_lines(on_disk)}
-
-
-def _committed_text(root: Path, path: Path) -> str | None:
-    """``path`` as committed at git's HEAD, or None (no git, not a repository, or not committed)."""
-    import subprocess
-
-    try:
-        out = subprocess.run(
-            ["git", "-C", str(root), "show", f"HEAD:{_rel(path, root)}"], capture_output=True, timeout=30
-        )
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return out.stdout.decode("utf-8") if out.returncode == 0 else None
-
-
-def _code_lines(text: str) -> list[str]:
-    try:
-        cells = json.loads(text).get("cells", [])
-    except json.JSONDecodeError:
-        return []
-    lines = []
-    for cell in cells:
-        if cell.get("cell_type") == "code":
-            source = cell.get("source", "")
-            lines += ("".join(source) if isinstance(source, list) else source).splitlines()
-    return lines
-
-
-def _has_outputs(text: str) -> bool:
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError:
-        return False
-    for cell in data.get("cells", []):
-        if cell.get("cell_type") == "code" and (cell.get("outputs") or cell.get("execution_count") is not None):
-            return True
-    return False
-
-
-def check(root: Path | str = ".") -> list[str]:
-    """Problems with the files on disk (empty when a build would change nothing). Writes nothing."""
-    root = Path(root)
-    problems: list[str] = []
-    for folder in (SOLUTIONS_DIR, NOTEBOOKS_DIR):
-        for path in sorted((root / folder).glob(LESSON_GLOB)):
-            text = _read_text(path) or ""
-            if folder == NOTEBOOKS_DIR and _has_outputs(text):
-                problems.append(
-                    f"{_rel(path, root)}: holds outputs - a learner's work? Work in {WORK_DIR}/ (scripts/lab.sh "
-                    f"opens it); `{FIX_COMMAND}` keeps a copy of this file in {WORK_DIR}/ before restoring it"
-                )
-            elif _has_outputs(text):
-                problems.append(f"{_rel(path, root)}: has outputs or execution counts (commit notebooks without them)")
-            if folder == NOTEBOOKS_DIR and "BEGIN SOLUTION" in text:
-                problems.append(f"{_rel(path, root)}: student notebook contains 'BEGIN SOLUTION'")
-    for path in orphan_students(root):
-        problems.append(
-            f"{_rel(path, root)}: exists only in {NOTEBOOKS_DIR}/ (no {SOLUTIONS_DIR}/{path.name}); "
-            "delete it or add the solution notebook"
-        )
-    try:
-        files = build_files(root)
-    except BuildError as exc:
-        problems.append(str(exc))
-        return problems
-    for path, text in files.items():
-        label = _rel(path, root)
-        on_disk = _read_text(path)
-        if on_disk is None:
-            where = f" (exists only in {SOLUTIONS_DIR}/)" if path.parent.name == NOTEBOOKS_DIR else ""
-            problems.append(f"{label}: missing{where}")
-        elif on_disk != text:
-            mine = path.parent.name == NOTEBOOKS_DIR and holds_learner_work(on_disk, text, _committed_text(root, path))
-            hint = f" - it holds answers: `{FIX_COMMAND}` keeps a copy in {WORK_DIR}/ first" if mine else ""
-            problems.append(f"{label}: differs from what the build writes{hint}\n{_first_diff(on_disk, text, label)}")
-    return problems
-
-
 # --------------------------------------------------------------------------- command line
 
 
@@ -596,6 +350,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--check cannot be combined with --repo/--ref")
     try:
         if args.check:
+            from course_tools.build_check import check  # it reads what a build would write: imports this module
+
             problems = check(root)
             if problems:
                 for problem in problems:

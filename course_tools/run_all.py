@@ -34,89 +34,53 @@ Results go to ``OUT`` (default ``runs/<UTC timestamp>-<profile>``)::
 Notebooks report headline numbers by printing lines that start with ``KEY:``; their text is collected,
 in order, into ``key_lines`` of the summary, and those of the form ``KEY: name = value`` (e.g.
 ``KEY: KV bytes per token, OPT-125m fp16 = 36,864 B``) also into the ``key_numbers`` mapping.
-In student notebooks the checkers print "... not implemented yet ..." for each unsolved exercise; the
-number of those messages is ``unsolved_count``.
+Student notebooks' checkers print "... not implemented yet ..." per unsolved exercise: ``unsolved_count``.
 
-``--jobs N`` executes up to N notebooks at once (each in its own kernel process; results stay in input
-order). ``--compare PREVIOUS/summary.json`` prints, per notebook, the previous run's wall time and KEY lines
-next to this run's - e.g. a class machine beside the last recorded run.
+``--jobs N`` executes up to N notebooks at once (each in its own kernel; results stay in input order).
+``--compare PREVIOUS/summary.json`` prints each notebook's previous wall time and KEY lines beside this run's
+(what is read out of a notebook: :mod:`course_tools.nb_outputs`; what is written: ``run_report``).
 """
 
 from __future__ import annotations
 
 import argparse
-import base64
-import json
 import os
-import re
-import shutil
 import sys
 import threading
 import time
 import traceback
 from concurrent.futures import ThreadPoolExecutor, as_completed
-from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
-from itertools import zip_longest
 from pathlib import Path
 
 import nbformat
 from nbclient import NotebookClient
 from nbclient.exceptions import CellExecutionError, CellTimeoutError, DeadKernelError
 
-KINDS = ("solutions", "notebooks")
+from course_tools.nb_outputs import (
+    KINDS,
+    NotebookResult,
+    _kind_of,
+    _probe,
+    _tail,
+    count_unsolved,
+    key_lines,
+    key_numbers,
+    save_figures,
+    silent_cell,
+)
+from course_tools.run_report import (
+    format_comparison,
+    format_table,
+    load_summary,
+    record_run,
+    write_report,
+    write_summary,
+)
+
 LESSON_GLOB = "[0-9][0-9]_*.ipynb"
-UNSOLVED_TEXT = "not implemented yet"
-KEY_PREFIX = "KEY:"
-SILENT_S = 5.0  # a cell that runs longer than this shows moving progress (a tqdm bar), or the report names it
-ERROR_TAIL_LINES = 8
 
-_ANSI_RE = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 _LOG_DIRS = threading.Lock()  # creating and removing OUT/logs/<kind>/, from several threads with --jobs
-
-# Runs in the kernel after the notebook: what profile, device and versions it actually used.
-_PROBE = """\
-def __course_probe():
-    import json
-    try:
-        from lesson_utils.core import env
-        p = env.get_profile()
-        info = {"profile": p.name, "device_name": p.device_name, "versions": env.versions()}
-    except Exception as exc:
-        info = {"probe_error": f"{type(exc).__name__}: {exc}"}
-    print("__COURSE_PROBE__" + json.dumps(info))
-__course_probe()
-del __course_probe
-"""
-_PROBE_TAG = "__COURSE_PROBE__"
-
-
-@dataclass
-class NotebookResult:
-    """What one notebook run produced (one record of summary.json)."""
-
-    path: str  # the notebook that ran, relative to the repository root when it lies under it
-    kind: str  # "solutions" or "notebooks"
-    seconds: float  # kernel start plus all cells
-    ok: bool
-    error: str | None = None  # last lines of the error, ANSI codes stripped
-    error_cell: int | None = None  # index of the failing cell
-    unsolved_count: int = 0  # "not implemented yet" messages in stream outputs
-    profile: str | None = None  # from env.get_profile() in the kernel
-    device_name: str | None = None
-    versions: dict[str, str] = field(default_factory=dict)
-    strict: bool = False
-    executed_path: str | None = None  # the executed copy under OUT
-    figures: list[str] = field(default_factory=list)  # PNGs under OUT/figures
-    key_lines: list[str] = field(default_factory=list)  # text of every "KEY: ..." line, in order
-    key_numbers: dict[str, str] = field(default_factory=dict)  # those of the form "KEY: name = value"
-    probe_error: str | None = None  # why profile/versions are missing, if they are
-    kernel_log: str | None = None  # the kernel process's own output under OUT, when it wrote any
-    silent_cells: list[str] = field(default_factory=list)  # cells over SILENT_S seconds that showed no progress bar
-
-    @property
-    def name(self) -> str:
-        return Path(self.path).name
 
 
 # --------------------------------------------------------------------------- helpers
@@ -131,10 +95,6 @@ def find_notebooks(root: Path | str = ".", which: str = "solutions", only: str |
             if only is None or only in path.name:
                 found.append(path)
     return found
-
-
-def _kind_of(path: Path) -> str:
-    return "notebooks" if path.parent.name == "notebooks" else "solutions"
 
 
 def kernel_env(
@@ -162,69 +122,6 @@ def kernel_env(
     return env
 
 
-def _strip_ansi(text: str) -> str:
-    return _ANSI_RE.sub("", text)
-
-
-def _tail(text: str, lines: int = ERROR_TAIL_LINES) -> str:
-    kept = [line for line in _strip_ansi(text).rstrip().splitlines() if line.strip()]
-    return "\n".join(kept[-lines:])
-
-
-def _stream_texts(nb):
-    for index, cell in enumerate(nb.cells):
-        for output in cell.get("outputs", []) if cell.cell_type == "code" else []:
-            if output.get("output_type") == "stream":
-                text = output.get("text", "")
-                yield index, "".join(text) if isinstance(text, list) else text
-
-
-def count_unsolved(nb) -> int:
-    """Occurrences of "not implemented yet" in the notebook's stream outputs."""
-    return sum(text.count(UNSOLVED_TEXT) for _, text in _stream_texts(nb))
-
-
-def key_lines(nb) -> list[str]:
-    """The text after ``KEY:`` of every such line the notebook printed, in order."""
-    found = []
-    for _, text in _stream_texts(nb):
-        for line in text.splitlines():
-            line = line.strip()
-            if line.startswith(KEY_PREFIX):
-                found.append(line[len(KEY_PREFIX) :].strip())
-    return found
-
-
-def key_numbers(nb) -> dict[str, str]:
-    """The ``KEY: name = value`` lines as {name: value} (lines without '=' are only in key_lines)."""
-    found: dict[str, str] = {}
-    for body in key_lines(nb):
-        name, sep, value = body.partition("=")
-        if sep:
-            found[name.strip()] = value.strip()
-    return found
-
-
-def save_figures(nb, folder: Path) -> list[Path]:
-    """Write every image/png output of ``nb`` to ``folder/cellCCC_K.png``."""
-    saved = []
-    for index, cell in enumerate(nb.cells):
-        if cell.cell_type != "code":
-            continue
-        count = 0
-        for output in cell.get("outputs", []):
-            data = output.get("data", {}) if output.get("output_type") in ("display_data", "execute_result") else {}
-            png = data.get("image/png")
-            if not png:
-                continue
-            folder.mkdir(parents=True, exist_ok=True)
-            path = folder / f"cell{index:03d}_{count}.png"
-            path.write_bytes(base64.b64decode("".join(png) if isinstance(png, list) else png))
-            saved.append(path)
-            count += 1
-    return saved
-
-
 def _rel(path: Path, root: Path) -> str:
     try:
         return path.resolve().relative_to(root.resolve()).as_posix()
@@ -250,7 +147,8 @@ def run_notebook(
 
     The kernel process's own stdout/stderr (crash messages, not cell outputs) go to
     ``out_dir/logs/<kind>/<name>.log``, kept only when not empty.
-    """
+
+    Long on purpose: every way a notebook's run can end (a cell error, a timeout, a dead kernel) is recorded here."""
     path, out_dir, root = Path(path), Path(out_dir), Path(root)
     kind = _kind_of(path)
     strict = (kind == "solutions") if strict is None else (strict and kind == "solutions")
@@ -335,53 +233,6 @@ def run_notebook(
     return result
 
 
-def shows_progress(cell) -> bool:
-    """Whether a cell's outputs hold a progress bar: a tqdm widget, or tqdm's text bar in a stream."""
-    for out in cell.get("outputs", []):
-        if "application/vnd.jupyter.widget-view+json" in out.get("data", {}):
-            return True
-        text = out.get("text", "")
-        if out.get("output_type") == "stream" and re.search(
-            r"\d+%\|", "".join(text) if isinstance(text, list) else text
-        ):
-            return True
-    return False
-
-
-def silent_cell(cell, seconds: float) -> str | None:
-    """``"12.3 s: first line"`` for a code cell that ran over :data:`SILENT_S` without a progress bar, else None."""
-    if cell.get("cell_type") != "code" or seconds <= SILENT_S or shows_progress(cell):
-        return None
-    lines = [line for line in cell.get("source", "").splitlines() if line.strip() and not line.lstrip().startswith("#")]
-    return f"{seconds:.1f} s without a progress bar: `{(lines[0] if lines else '').strip()[:80]}`"
-
-
-def _probe(client: NotebookClient, nb, result: NotebookResult, attempts: int = 2) -> None:
-    """Ask the notebook's kernel which profile, device and versions it ran with."""
-    info: dict = {"probe_error": "no output"}
-    cell_timeout, client.timeout = client.timeout, max(client.timeout or 0, 120)  # importing torch takes a while
-    for _ in range(attempts):  # after an interrupted cell the kernel may drop the first request
-        cell = nbformat.v4.new_code_cell(_PROBE)
-        nb.cells.append(cell)
-        try:
-            client.execute_cell(cell, len(nb.cells) - 1, store_history=False)
-            text = "".join(o.get("text", "") for o in cell.outputs if o.get("output_type") == "stream")
-            line = next((x for x in text.splitlines() if x.startswith(_PROBE_TAG)), None)
-            info = json.loads(line[len(_PROBE_TAG) :]) if line else {"probe_error": _tail(text or "no output", 3)}
-        except Exception as exc:  # noqa: BLE001 - the probe must never fail a notebook
-            first = (str(exc).strip().splitlines() or [""])[0]
-            info = {"probe_error": f"{type(exc).__name__}: {first}"}
-        finally:
-            nb.cells.pop()
-        if "probe_error" not in info:
-            break
-    client.timeout = cell_timeout
-    result.profile = info.get("profile")
-    result.device_name = info.get("device_name")
-    result.versions = info.get("versions", {})
-    result.probe_error = info.get("probe_error")
-
-
 def run_notebooks(
     paths,
     out_dir: Path | str,
@@ -459,237 +310,6 @@ def run_notebooks(
     )
     write_report(done, out_dir, wall_seconds=elapsed)
     return done
-
-
-def write_summary(results: list[NotebookResult], out_dir: Path | str, **settings) -> Path:
-    """``out_dir/summary.json``: the run's settings and one record per notebook."""
-    path = Path(out_dir) / "summary.json"
-    data = {
-        "created": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-        "settings": {k: v for k, v in settings.items()},
-        "passed": sum(r.ok for r in results),
-        "failed": sum(not r.ok for r in results),
-        "notebooks": [asdict(r) for r in results],
-    }
-    path.write_text(json.dumps(data, indent=1, sort_keys=False) + "\n", encoding="utf-8")
-    return path
-
-
-def _lesson_of(result: NotebookResult) -> str:
-    """The lesson a notebook belongs to: its file stem ("02_measuring_fragmentation")."""
-    return Path(result.path).stem
-
-
-def _lesson_order(results: list[NotebookResult]) -> list[NotebookResult]:
-    """By lesson file name (NN_ first), the solution before the student notebook of a lesson."""
-    rank = {kind: i for i, kind in enumerate(KINDS)}
-    return sorted(results, key=lambda r: (_lesson_of(r), rank.get(r.kind, len(KINDS)), r.path))
-
-
-def _title_of(result: NotebookResult, out_dir: Path) -> str | None:
-    """The notebook's first Markdown heading ("# 02 · Measuring ..."), read from its executed copy, or from the
-    notebook itself where no copy is kept (a recorded run)."""
-    candidates = ([out_dir / result.executed_path] if result.executed_path else []) + [Path(result.path)]
-    nb = None
-    for candidate in candidates:
-        try:
-            nb = nbformat.read(candidate, as_version=4)
-            break
-        except Exception:  # noqa: BLE001 - a title is a nicety
-            continue
-    if nb is None:
-        return None
-    for cell in nb.cells:
-        if cell.cell_type == "markdown":
-            for line in cell.source.splitlines():
-                if line.startswith("# "):
-                    return line[2:].strip()
-    return None
-
-
-def _distinct(values) -> list[str]:
-    seen: list[str] = []
-    for value in values:
-        if value and value not in seen:
-            seen.append(value)
-    return seen
-
-
-def _versions_text(versions: dict[str, str]) -> str:
-    return ", ".join(f"{name} {version}" for name, version in versions.items()) or "unknown"
-
-
-def write_report(results: list[NotebookResult], out_dir: Path | str, *, wall_seconds: float | None = None) -> Path:
-    """``out_dir/report.md``: the run for people, to keep with the executed notebooks and figures.
-
-    A header (UTC time, profile, device, versions, as the kernels reported them), a table of every
-    notebook, then one section per lesson in lesson order: for each of its notebooks the kind, pass/fail,
-    wall time, device and profile, the ``KEY:`` lines as bullets and every figure as an image link
-    (paths relative to ``out_dir``, so the report renders next to its ``figures/`` folder).
-    """
-    out_dir = Path(out_dir)
-    path = out_dir / "report.md"
-    ordered = _lesson_order(results)
-    profiles = _distinct(r.profile for r in results) or ["unknown"]
-    devices = _distinct(r.device_name for r in results) or ["unknown"]
-    version_sets = _distinct(_versions_text(r.versions) for r in results if r.versions) or ["unknown"]
-    passed = sum(r.ok for r in results)
-    lines = [
-        "# Course run report",
-        "",
-        f"- **When**: {datetime.now(timezone.utc).strftime('%Y-%m-%d %H:%M:%S')} UTC",
-        f"- **Profile**: {', '.join(profiles)}",
-        f"- **Device**: {'; '.join(devices)}",
-        f"- **Versions**: {' | '.join(version_sets)}",
-        f"- **Result**: {passed}/{len(results)} notebooks passed"
-        + (f" in {wall_seconds:.0f} s of wall time" if wall_seconds is not None else ""),
-        "",
-        "Every number below was computed in this run, by the notebooks' own `KEY:` lines; machine-readable: "
-        "`summary.json`. "
-        + (
-            "Executed notebooks: `solutions/` and `notebooks/` next to this file."
-            if any(r.executed_path and (out_dir / r.executed_path).exists() for r in results)
-            else "The executed notebooks are not kept with this report (rerun `python -m course_tools.run_all` to get them)."
-        ),
-        "",
-        "| notebook | kind | result | wall time (s) | unsolved |",
-        "|---|---|---|---:|---:|",
-    ]
-    for r in ordered:
-        unsolved = str(r.unsolved_count) if r.kind == "notebooks" else "-"
-        lines.append(f"| `{r.path}` | {r.kind} | {'pass' if r.ok else '**FAIL**'} | {r.seconds:.1f} | {unsolved} |")
-    current = None
-    for r in ordered:
-        lesson = _lesson_of(r)
-        if lesson != current:
-            current = lesson
-            title = _title_of(r, out_dir)
-            lines += ["", f"## {lesson}" + (f": {title}" if title else "")]
-        where = f"cell {r.error_cell}" if r.error_cell is not None else "before any cell"
-        lines += [
-            "",
-            f"### `{r.path}`",
-            "",
-            f"- **Kind**: {r.kind}" + (" (strict checkers)" if r.strict else ""),
-            f"- **Result**: {'pass' if r.ok else f'**FAIL** ({where})'}"
-            + (f"; {r.unsolved_count} exercise(s) reported unsolved" if r.kind == "notebooks" else ""),
-            f"- **Wall time**: {r.seconds:.1f} s",
-            f"- **Device / profile**: {r.device_name or 'unknown'} / {r.profile or 'unknown'}",
-        ]
-        if r.executed_path and (out_dir / r.executed_path).exists():  # a recorded run keeps no notebooks: no dead link
-            lines.append(f"- **Executed notebook**: [{r.executed_path}]({r.executed_path})")
-        if r.kernel_log and (out_dir / r.kernel_log).exists():
-            lines.append(f"- **Kernel log**: [{r.kernel_log}]({r.kernel_log})")
-        if not r.ok and r.error:
-            lines += ["", "```text", *r.error.splitlines(), "```"]
-        if r.silent_cells:
-            lines += ["", f"**Silent cells** (over {SILENT_S:.0f} s without a progress bar)", ""]
-            lines += [f"- {c}" for c in r.silent_cells]
-        lines += ["", "**Key findings**", ""]
-        lines += [f"- {line}" for line in r.key_lines] or ["- (none printed)"]
-        lines += ["", "**Figures**", ""]
-        figures = [f for f in r.figures if (out_dir / f).exists()]
-        if figures:
-            lines += [f"![{Path(f).stem}]({f})" for f in figures]
-        else:
-            lines.append("(none)")
-    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
-    return path
-
-
-def record_run(run_dir: Path | str, dest: Path | str) -> Path:
-    """Copy a finished run into ``dest`` for ``docs/recorded_runs/``: its ``summary.json`` and ``figures/``, and a
-    ``report.md`` written anew there, so that it links only to files that are in ``dest`` (the executed notebooks
-    and kernel logs stay behind: megabytes per run). Returns the new report's path."""
-    run_dir, dest = Path(run_dir), Path(dest)
-    summary = load_summary(run_dir)
-    dest.mkdir(parents=True, exist_ok=True)
-    if (run_dir / "figures").is_dir():
-        shutil.copytree(run_dir / "figures", dest / "figures", dirs_exist_ok=True)
-    shutil.copy2(run_dir / "summary.json", dest / "summary.json")
-    results = [NotebookResult(**record) for record in summary["notebooks"]]
-    return write_report(results, dest, wall_seconds=summary.get("settings", {}).get("wall_seconds"))
-
-
-def load_summary(path: Path | str) -> dict:
-    """A previous run's summary.json (``path`` may also be the run's folder)."""
-    path = Path(path)
-    if path.is_dir():
-        path = path / "summary.json"
-    return json.loads(path.read_text(encoding="utf-8"))
-
-
-def format_comparison(results: list[NotebookResult], previous: dict, previous_name: str = "previous run") -> str:
-    """Per notebook: this run's and the previous run's wall time and KEY lines, side by side.
-
-    ``previous`` is a loaded summary.json. KEY lines are paired in order (the notebooks print them in a
-    fixed order); identical pairs are printed once.
-    """
-    before = {record["path"]: record for record in previous.get("notebooks", [])}
-    ours = {r.path for r in results}
-
-    def about(records) -> str:
-        profiles = ", ".join(_distinct(r.get("profile") for r in records)) or "?"
-        devices = "; ".join(_distinct(r.get("device_name") for r in records)) or "?"
-        return f"profile {profiles}, {devices}"
-
-    lines = [
-        f"this run:     {about([asdict(r) for r in results])}",
-        f"{previous_name}: {about(list(before.values()))}, created {previous.get('created', '?')}",
-    ]
-    for r in _lesson_order(results):
-        old = before.get(r.path)
-        now = f"{r.seconds:7.1f} s {'pass' if r.ok else 'FAIL'}"
-        lines.append("")
-        if old is None:
-            lines.append(f"{r.path}: this run {now}; not in the {previous_name}")
-            lines.extend(f"    now:    {line}" for line in r.key_lines)
-            continue
-        then = f"{old.get('seconds', 0.0):7.1f} s {'pass' if old.get('ok') else 'FAIL'}"
-        lines.append(f"{r.path}: this run {now} | {previous_name} {then}")
-        for new_line, old_line in zip_longest(r.key_lines, old.get("key_lines", [])):
-            if new_line == old_line:
-                lines.append(f"    same:   {new_line}")
-            else:
-                lines.append(f"    now:    {new_line if new_line is not None else '(missing)'}")
-                lines.append(f"    before: {old_line if old_line is not None else '(missing)'}")
-    missing = [p for p in before if p not in ours]
-    if missing:
-        lines += ["", f"in the {previous_name} only: " + ", ".join(missing)]
-    return "\n".join(lines)
-
-
-def format_table(results: list[NotebookResult]) -> str:
-    """Plain-text report: one row per notebook, then the error tail of each failure."""
-    rows = [("notebook", "seconds", "result", "unsolved", "profile")]
-    for r in results:
-        rows.append(
-            (
-                r.path,
-                f"{r.seconds:.1f}",
-                "pass" if r.ok else "FAIL",
-                str(r.unsolved_count) if r.kind == "notebooks" else "-",
-                r.profile or "?",
-            )
-        )
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    lines = []
-    for i, row in enumerate(rows):
-        lines.append(
-            "  ".join(cell.ljust(w) if j == 0 else cell.rjust(w) for j, (cell, w) in enumerate(zip(row, widths)))
-        )
-        if i == 0:
-            lines.append("  ".join("-" * w for w in widths))
-    for r in results:
-        if not r.ok:
-            where = f"cell {r.error_cell}" if r.error_cell is not None else "before any cell"
-            lines.append("")
-            lines.append(f"FAIL {r.path} ({where}):")
-            lines.extend("    " + line for line in (r.error or "").splitlines())
-    passed = sum(r.ok for r in results)
-    lines.append("")
-    lines.append(f"{passed}/{len(results)} notebooks passed")
-    return "\n".join(lines)
 
 
 # --------------------------------------------------------------------------- command line

@@ -12,6 +12,7 @@ already there is never touched again, whatever the course's version says.
 from __future__ import annotations
 
 import argparse
+import json
 import shutil
 import sys
 from pathlib import Path
@@ -64,3 +65,60 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def holds_learner_work(on_disk: str, built: str, committed: str | None = None) -> bool:
+    """Whether a student notebook on disk holds a learner's work. With git, exactly: the file differs from its
+    committed version (``committed``; notebooks/ is generated, so nobody else edits it - a note, a new cell, an
+    answer beside a kept stub all count). Without git (a downloaded zip): outputs, or an exercise stub of the built
+    notebook replaced by something else (an answer)."""
+    if committed is not None:
+        return on_disk != committed
+    if _has_outputs(on_disk):
+        return True
+    stubs = {line.strip() for line in _code_lines(built) if "raise NotImplementedError(" in line}
+    return not stubs <= {line.strip() for line in _code_lines(on_disk)}
+
+
+def _committed_text(root: Path, path: Path) -> str | None:
+    """``path`` as committed at git's HEAD, or None (no git, not a repository, or not committed)."""
+    import subprocess
+
+    try:
+        out = subprocess.run(
+            ["git", "-C", str(root), "show", f"HEAD:{_rel(path, root)}"], capture_output=True, timeout=30
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.decode("utf-8") if out.returncode == 0 else None
+
+
+def _code_lines(text: str) -> list[str]:
+    try:
+        cells = json.loads(text).get("cells", [])
+    except json.JSONDecodeError:
+        return []
+    lines = []
+    for cell in cells:
+        if cell.get("cell_type") == "code":
+            source = cell.get("source", "")
+            lines += ("".join(source) if isinstance(source, list) else source).splitlines()
+    return lines
+
+
+def _has_outputs(text: str) -> bool:
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError:
+        return False
+    for cell in data.get("cells", []):
+        if cell.get("cell_type") == "code" and (cell.get("outputs") or cell.get("execution_count") is not None):
+            return True
+    return False
+
+
+def _rel(path: Path, root: Path) -> str:
+    try:
+        return path.relative_to(root).as_posix()
+    except ValueError:
+        return str(path)

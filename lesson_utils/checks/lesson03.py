@@ -39,7 +39,8 @@ def _refused(name, a, call, arg, expected, what):
 
 
 def check_block_allocator(cls) -> CheckResult:
-    """Exercise 03-1: ``allocate`` and ``free`` of a subclass of ``BlockAllocator``."""
+    """Exercise 03-1: ``allocate`` and ``free`` of a subclass of ``BlockAllocator``.
+    Long on purpose: the spec's clauses one after another, each with the feedback its failure gets."""
     name = "block allocator"
     try:
         a = cls(4)

@@ -64,7 +64,8 @@ _PLAN_CASES = [  # (label, seq_id, table, num_tokens, block_size, free blocks on
 
 
 def check_transfer_plan(fn) -> CheckResult:
-    """Exercise 09-1: which blocks to send, a destination for each, all or nothing, bad requests refused first."""
+    """Exercise 09-1: which blocks to send, a destination for each, all or nothing, bad requests refused first.
+    Long on purpose: the spec's clauses one after another, each with the feedback its failure gets."""
     name = "transfer_plan"
     for label, seq_id, table, num_tokens, block_size, free in _PLAN_CASES:
         case_text = f"case '{label}' (sequence {seq_id}, {num_tokens} tokens, block size {block_size}, table {table})"

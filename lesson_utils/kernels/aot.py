@@ -121,6 +121,7 @@ def _resource_usage(cubin: bytes) -> tuple[int | None, int | None]:
 
 
 def _compile_one(cfg: KernelConfig, target: str) -> CompileResult:
+    """One kernel configuration compiled ahead of time for one target. Long on purpose: it spells out each kernel's signature and constants for Triton's ``ASTSource`` in one place."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource

@@ -145,7 +145,8 @@ def unified_attention(
     query. ``mask_fn`` replaces :func:`causal_mask` (exercise 08-3). ``validate=False`` skips the checks that
     read lengths back from the device (a sync), for the engine and timed loops. ``int8_scales`` and ``load_fn``:
     lesson 10's int8 caches (:func:`lesson_utils.kernels.int8_kv.int8_unified_attention`).
-    """
+
+    Long on purpose: every argument is checked before the launch, each with a message of its own."""
     check_kernel_args(
         "unified_attention",
         q=q,

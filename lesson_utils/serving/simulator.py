@@ -127,7 +127,8 @@ def simulate(
     for memory); ``step_cost`` replaces it with a model of each step's time (module docstring). ``on_step(plan)`` is
     called at the moment memory is recorded (the step's tokens are in, finished sequences not yet gone). ``map_every > 0`` keeps a strided memory map (``map_columns`` slots wide) every that
     many steps, for pictures. ``max_steps`` stops early (the rest stay unserved).
-    """
+
+    Long on purpose: the loop and what it records each step (memory maps, slot breakdowns, events) in one place."""
     scheduler = scheduler or FCFSScheduler(manager, max_num_seqs=max_num_seqs)
     pending = sorted(requests, key=lambda r: (r.arrival_s, r.req_id))
     arrival_step = [math.ceil(r.arrival_s / step_time_s - 1e-9) for r in pending]

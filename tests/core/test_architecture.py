@@ -209,3 +209,35 @@ def test_every_subpackage_ships_in_the_wheel():
     }
     assert on_disk <= found, f"not packaged: {sorted(on_disk - found)} (an __init__.py missing?)"
     assert all(any(fnmatch.fnmatch(p, pat) for pat in include) for p in found)
+
+
+MAX_MODULE_LINES, MAX_FUNCTION_LINES = 400, 80
+
+
+def size_problems(roots=(PACKAGE, ROOT / "course_tools")) -> list[str]:
+    """Modules over 400 lines, and functions over 80 lines whose docstring does not say why (``Long on purpose``)."""
+    found = []
+    for root in roots:
+        for path in sorted(root.rglob("*.py")):
+            text = path.read_text()
+            where = path.relative_to(root.parent)
+            if len(text.splitlines()) > MAX_MODULE_LINES:
+                found.append(f"{where}: {len(text.splitlines())} lines (at most {MAX_MODULE_LINES}): split it")
+            for node in ast.walk(ast.parse(text)):
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    length = node.end_lineno - node.lineno + 1
+                    if length > MAX_FUNCTION_LINES and "Long on purpose" not in (ast.get_docstring(node) or ""):
+                        found.append(f"{where}:{node.lineno}: {node.name} is {length} lines with no reason given")
+    return found
+
+
+def test_modules_and_functions_stay_small():
+    assert size_problems() == [], "\n".join(size_problems())
+
+
+def test_the_size_rule_can_fail(tmp_path):
+    (tmp_path / "big.py").write_text("x = 1\n" * 401)
+    body = "".join(f"    y{i} = {i}\n" for i in range(85))
+    (tmp_path / "long.py").write_text(f"def f():\n{body}\n\ndef g():\n    'Long on purpose: a reason.'\n{body}")
+    problems = size_problems([tmp_path])
+    assert len(problems) == 2 and "big.py: 401 lines" in problems[0] and "f is 86 lines" in problems[1]

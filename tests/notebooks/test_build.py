@@ -9,7 +9,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from course_tools import build
+from course_tools import build, build_check, course_config, workspace
 
 REPO = "someone/pa-course"
 
@@ -254,7 +254,7 @@ def test_retarget_with_repo_and_ref(repo: Path):
 
 def test_package_course_toml_is_valid():
     course = build.load_course()
-    assert build.REPO_RE.match(course.repo) and course.ref and course.package == "pagedattention-course"
+    assert course_config.REPO_RE.match(course.repo) and course.ref and course.package == "pagedattention-course"
 
 
 # --------------------------------------------------------------------------- --check
@@ -264,7 +264,7 @@ def test_check_passes_right_after_build(repo: Path, capsys):
     assert build.main(["--root", str(repo), "--check"]) == 1  # never built: outputs, missing notebooks
     build.build(repo, quiet=True)
     capsys.readouterr()
-    assert build.check(repo) == []
+    assert build_check.check(repo) == []
     assert build.main(["--root", str(repo), "--check"]) == 0
     assert "ok: 2 lesson(s)" in capsys.readouterr().out
 
@@ -282,7 +282,7 @@ def test_check_fails_after_editing_a_solution_without_rebuilding(repo: Path, cap
     assert "kv_bytes_per_token_v2" in out  # the first diff hunk is shown
     assert "python -m course_tools.build" in out
     build.build(repo, quiet=True)
-    assert build.check(repo) == []
+    assert build_check.check(repo) == []
 
 
 def test_check_fails_when_a_notebook_has_outputs(repo: Path, capsys):
@@ -312,18 +312,18 @@ def test_check_fails_when_a_notebook_is_in_one_folder_only(repo: Path, folder: s
     other = "notebooks" if folder == "solutions" else "solutions"
     assert f"{folder}/02_paging.ipynb: missing" in out or f"{folder}/02_paging.ipynb" in out
     assert f"only in {other}/" in out
-    assert build.check(repo) != []
+    assert build_check.check(repo) != []
 
 
 def test_check_fails_when_colab_links_is_stale(repo: Path):
     build.build(repo, quiet=True)
     (repo / "colab_links.md").write_text("# hand edited\n")
-    assert any(p.startswith("colab_links.md: differs") for p in build.check(repo))
+    assert any(p.startswith("colab_links.md: differs") for p in build_check.check(repo))
 
 
 def test_check_writes_nothing(repo: Path):
     before = _snapshot(repo)
-    assert build.check(repo)
+    assert build_check.check(repo)
     assert _snapshot(repo) == before
 
 
@@ -359,7 +359,9 @@ def test_the_working_copy_is_made_once_and_never_overwritten(repo: Path):
     _answer(mine)
     saved = mine.read_bytes()
     assert workspace.ensure_workspace(repo) == []  # nothing replaced
-    assert build.check(repo) == [] and build.main(["--root", str(repo), "--check"]) == 0  # the test command's check
+    assert (
+        build_check.check(repo) == [] and build.main(["--root", str(repo), "--check"]) == 0
+    )  # the test command's check
     build.build(repo, quiet=True)
     assert mine.read_bytes() == saved and "return 42  # my answer" in mine.read_text()
     (repo / workspace.WORK_DIR / "02_paging.ipynb").unlink()
@@ -373,13 +375,13 @@ def test_a_rebuild_keeps_a_copy_of_a_student_notebook_holding_answers(repo: Path
     student = repo / "notebooks" / "01_kv_cache.ipynb"
     _answer(student)  # the learner worked in notebooks/ itself
     answered = student.read_bytes()
-    problems = build.check(repo)
+    problems = build_check.check(repo)
     assert any("holds outputs - a learner's work?" in p and workspace.WORK_DIR in p for p in problems)
     build.build(repo, quiet=True)  # the fix the check suggests
     assert "held your work" in capsys.readouterr().err
     kept = repo / workspace.WORK_DIR / "01_kv_cache.ipynb"
     assert kept.read_bytes() == answered  # the answers are still there
-    assert build.check(repo) == []
+    assert build_check.check(repo) == []
     _answer(student)
     build.build(repo, quiet=True)  # a second time: the first copy is not overwritten either
     assert kept.read_bytes() == answered and (repo / workspace.WORK_DIR / "01_kv_cache.kept-1.ipynb").exists()
@@ -388,8 +390,8 @@ def test_a_rebuild_keeps_a_copy_of_a_student_notebook_holding_answers(repo: Path
 def test_an_answer_without_outputs_is_work_too_and_a_stale_stub_is_not():
     built = "raise NotImplementedError(\"Exercise 'x' is not solved yet\")"
     nb = lambda src: json.dumps({"cells": [{"cell_type": "code", "source": src, "outputs": []}]})  # noqa: E731
-    assert build.holds_learner_work(nb("return 1"), nb(built))
-    assert not build.holds_learner_work(nb("# an older text\n" + built), nb(built))
+    assert workspace.holds_learner_work(nb("return 1"), nb(built))
+    assert not workspace.holds_learner_work(nb("# an older text\n" + built), nb(built))
 
 
 def test_with_git_any_local_change_to_a_student_notebook_is_kept(repo: Path):
@@ -409,7 +411,7 @@ def test_with_git_any_local_change_to_a_student_notebook_is_kept(repo: Path):
     nb.cells[2].source += "\n\nMy note: the cache grows by one slot per token."  # markdown, no outputs, stub kept
     _write(student, nb)
     noted = student.read_bytes()
-    assert not build.holds_learner_work(noted.decode(), student.read_text())  # the zip heuristic would miss it
+    assert not workspace.holds_learner_work(noted.decode(), student.read_text())  # the zip heuristic would miss it
     build.build(repo, quiet=True)
     assert (repo / workspace.WORK_DIR / "01_kv_cache.ipynb").read_bytes() == noted
     # a maintainer's edit of a solution makes notebooks/ stale, not the learner's: nothing is kept

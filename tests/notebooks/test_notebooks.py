@@ -20,7 +20,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from course_tools import build, run_all
+from course_tools import build_check, run_all
 
 ROOT = Path(__file__).resolve().parents[2]
 SOLUTIONS = sorted((ROOT / "solutions").glob(run_all.LESSON_GLOB))
@@ -34,7 +34,7 @@ def test_every_lesson_has_both_notebooks():
 
 
 def test_generated_notebooks_have_not_drifted():
-    problems = build.check(ROOT)
+    problems = build_check.check(ROOT)
     assert not problems, "run `python -m course_tools.build`:\n" + "\n".join(map(str, problems))
 
 
@@ -128,11 +128,11 @@ def test_editing_a_real_lesson_without_regenerating_fails_the_check(tmp_path):
     for folder in ("solutions", "notebooks", "course_tools"):
         shutil.copytree(ROOT / folder, tmp_path / folder, ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copy(ROOT / "colab_links.md", tmp_path / "colab_links.md")
-    assert build.check(tmp_path) == []
+    assert build_check.check(tmp_path) == []
     path = tmp_path / "solutions" / SOLUTIONS[0].name
     nb = nbformat.read(path, as_version=4)
     cell = next(c for c in nb.cells if c.cell_type == "markdown" and "## " in c.source)
     cell.source += "\n\nA sentence added to the lesson, and nobody regenerated the student notebook."
     nbformat.write(nb, path)
-    problems = build.check(tmp_path)
+    problems = build_check.check(tmp_path)
     assert any(SOLUTIONS[0].name in str(p) for p in problems), problems
