@@ -125,6 +125,9 @@ class Sequence:
     beam: object = None  # the serving.beam_search.BeamGroup this sequence is a beam of, if any
     token_steps: list[int] = field(default_factory=list)  # the step that produced each generated token
     status: SequenceStatus = SequenceStatus.WAITING
+    # lesson 11: tokens a proposer drafted for the step being planned, fed after the newest token and verified in
+    # the same forward pass; set by the scheduler's schedule(), emptied by update_from_output (never token_ids)
+    draft: list[int] = field(default_factory=list)
 
     @property
     def aborted(self) -> bool:
@@ -155,6 +158,7 @@ class Sequence:
             samples=[],
             pending_forks=0,
             preemptions=0,
+            draft=[],
             status=SequenceStatus.RUNNING,
         )
 
@@ -216,8 +220,13 @@ class MemoryManager(Protocol):
     def allocate(self, seq: Sequence) -> None:
         """Admit ``seq``: give it memory for its prompt (and whatever the policy reserves)."""
 
-    def append_slot(self, seq: Sequence) -> None:
-        """``seq`` is about to grow by one token: make sure that token has a slot."""
+    def append_slot(self, seq: Sequence, lookahead: int = 0) -> None:
+        """``seq`` is about to grow by one token: make sure that token has a slot (and ``lookahead`` more after it:
+        lesson 11's drafted tokens, verified in the same step)."""
+
+    def trim(self, seq_id: int, num_tokens: int) -> None:
+        """Lesson 11's rollback: ``seq_id`` keeps its first ``num_tokens`` tokens' slots; memory that only rejected
+        draft tokens used goes back (a manager that reserves ahead keeps its reservation)."""
 
     def free(self, seq_id: int):
         """Sequence ``seq_id`` finished, was aborted or preempted: take all of its memory back (THE release)."""

@@ -39,6 +39,12 @@ from lesson_utils.memory.block_table import BlockTable, blocks_needed, grow_bloc
 from lesson_utils.memory.snapshot import BlockSnapshot
 
 
+def _lookahead(n) -> int:
+    if not is_int(n) or n < 0:
+        raise ValueError(f"lookahead is the number of drafted tokens, an int >= 0, got {n!r}")
+    return n
+
+
 class BlockManager:
     def __init__(
         self,
@@ -123,9 +129,31 @@ class BlockManager:
             raise ValueError(f"sequence {seq.seq_id} already holds blocks")
         self.ensure_capacity(seq.seq_id, seq.len)
 
-    def append_slot(self, seq: Sequence) -> None:
-        """Room for token number ``seq.len + 1``; raises ``OutOfBlocks`` (nothing changed) if none is free."""
-        self.ensure_capacity(seq.seq_id, seq.len + 1)
+    def append_slot(self, seq: Sequence, lookahead: int = 0) -> None:
+        """Room for token number ``seq.len + 1`` and ``lookahead`` more (lesson 11's drafts); raises ``OutOfBlocks``
+        (nothing changed) if there are not enough free blocks."""
+        self.ensure_capacity(seq.seq_id, seq.len + 1 + _lookahead(lookahead))
+
+    def trim(self, seq_id: int, num_tokens: int) -> None:
+        """Lesson 11's rollback: ``seq_id``'s table keeps its first ``num_tokens`` tokens; the blocks past them (that
+        only rejected draft tokens used) go back, one reference each - a block another table shares stays with it.
+        Refuses to grow a table or to empty it (``free`` is the release)."""
+        table = self.tables.get(seq_id)
+        if table is None:
+            raise ValueError(f"sequence {seq_id} holds no blocks (already freed, or never admitted)")
+        if not is_int(num_tokens) or not 1 <= num_tokens <= table.num_tokens:
+            raise ValueError(
+                f"trim keeps 1 .. {table.num_tokens} tokens of sequence {seq_id}'s table, not {num_tokens!r}"
+            )
+        keep = blocks_needed(num_tokens, self.block_size)
+        dropped = table.blocks[keep:]
+        del table.blocks[keep:]
+        table.num_tokens = num_tokens
+        self._forget_past(seq_id, num_tokens)
+        self._free_blocks(self._release_order(dropped))
+
+    def _forget_past(self, seq_id: int, num_tokens: int) -> None:
+        """A rollback: drop what the prefix cache keeps of ``seq_id`` past ``num_tokens`` tokens (nothing here)."""
 
     def block_is_free(self, block_id: int) -> bool:
         return self.allocator.is_free(block_id)

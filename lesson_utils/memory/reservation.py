@@ -111,9 +111,12 @@ class ContiguousReservationManager:
         self.reserved[seq.seq_id] = n
         self.seqs[seq.seq_id] = seq
 
-    def append_slot(self, seq: Sequence) -> None:
-        if seq.len + 1 > self.reserved[seq.seq_id]:
+    def append_slot(self, seq: Sequence, lookahead: int = 0) -> None:
+        if seq.len + 1 + lookahead > self.reserved[seq.seq_id]:
             raise NeverFits(f"request {seq.seq_id} outgrew its reservation of {self.reserved[seq.seq_id]} slots")
+
+    def trim(self, seq_id: int, num_tokens: int) -> None:
+        """Nothing to give back: a reservation holds its slots until the request ends."""
 
     def free(self, seq_id: int) -> None:
         if seq_id not in self.start:

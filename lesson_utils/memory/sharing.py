@@ -21,7 +21,7 @@ from __future__ import annotations
 from typing import Callable
 
 from lesson_utils.core.types import OutOfBlocks, Sequence, SlotKind
-from lesson_utils.memory.block_manager import BlockManager
+from lesson_utils.memory.block_manager import BlockManager, _lookahead
 from lesson_utils.memory.block_pool import NO_PARENT, BlockPool, block_hash
 from lesson_utils.memory.block_table import BlockTable, blocks_needed
 
@@ -117,6 +117,9 @@ class SharingBlockManager(BlockManager):
     def _forget_prefix(self, seq_id: int) -> None:
         self._hashes.pop(seq_id, None)
 
+    def _forget_past(self, seq_id: int, num_tokens: int) -> None:
+        del self._hashes.get(seq_id, [])[num_tokens // self.block_size :]
+
     def pop_copies(self) -> list[tuple[int, int]]:
         """Block copies ``(src, dst)`` that must happen on the cache tensors before this step's writes."""
         copies, self._copies = self._copies, []
@@ -160,15 +163,17 @@ class SharingBlockManager(BlockManager):
         self.prompt_tokens += seq.len
         self.cached_prompt_tokens += seq.num_computed
 
-    def append_slot(self, seq: Sequence) -> None:
-        """Room for the next token, and the block of the token written next step made exclusive."""
+    def append_slot(self, seq: Sequence, lookahead: int = 0) -> None:
+        """Room for the next token (and ``lookahead`` drafted ones after it), and every block the step writes made
+        exclusive."""
+        end = seq.len + 1 + _lookahead(lookahead)
         table = self.tables[seq.seq_id]
-        extra = blocks_needed(seq.len + 1, self.block_size) - len(table.blocks)
-        cows = self._cows_needed(table, seq.len - 1, seq.len + 1)
+        extra = blocks_needed(end, self.block_size) - len(table.blocks)
+        cows = self._cows_needed(table, seq.len - 1, end)
         if extra + cows > self.pool.num_free:
             raise OutOfBlocks(f"sequence {seq.seq_id} needs {extra + cows} block(s); {self.pool.num_free} are free")
-        self.ensure_capacity(seq.seq_id, seq.len + 1)
-        self._make_writable(seq.seq_id, seq.len - 1, seq.len + 1)
+        self.ensure_capacity(seq.seq_id, end)
+        self._make_writable(seq.seq_id, seq.len - 1, end)
 
     def cache_computed(self, seq: Sequence) -> None:
         """Register the sequence's full blocks whose K/V are computed (``seq.num_computed``) and tokens known."""

@@ -156,11 +156,14 @@ def _optional(kind, module):
     return None if module is None else kind.from_module(module)
 
 
-def forward(w: OPTWeights, batch: StepBatch, cache: KVCache, *, last_only: bool = True) -> torch.Tensor:
+def forward(
+    w: OPTWeights, batch: StepBatch, cache: KVCache, *, last_only: bool = True, last_n: list[int] | None = None
+) -> torch.Tensor:
     """Run one step: write the new tokens' K/V into ``cache`` and return logits.
 
     Returns ``[num_seqs, vocab]`` - the logits after each sequence's last new token - when
-    ``last_only``, else ``[num_tokens, vocab]`` for every new token.
+    ``last_only``, else ``[num_tokens, vocab]`` for every new token. ``last_n`` (lesson 11) asks for each
+    sequence's last ``last_n[i]`` tokens instead, sequence after sequence: ``[sum(last_n), vocab]``.
     """
     _check_positions(w, batch)
     with torch.inference_mode():
@@ -168,7 +171,10 @@ def forward(w: OPTWeights, batch: StepBatch, cache: KVCache, *, last_only: bool 
         cache.prepare(batch)
         for i, layer in enumerate(w.layers):
             h = _decoder_layer(w, i, layer, h, batch, cache)
-        if last_only:  # every later op is per token, so drop the tokens nobody needs logits for
+        if last_n is not None:  # a verifying sequence needs the logits at each drafted position
+            rows = [r for s, n, m in zip(batch.starts, batch.query_lens, last_n) for r in range(s + n - m, s + n)]
+            h = h[to_device(rows, torch.long, h.device)]
+        elif last_only:  # every later op is per token, so drop the tokens nobody needs logits for
             last = [s + n - 1 for s, n in zip(batch.starts, batch.query_lens)]
             h = h[to_device(last, torch.long, h.device)]
         if w.final_layer_norm is not None:

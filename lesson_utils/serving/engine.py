@@ -37,6 +37,7 @@ from lesson_utils.serving.cost_model import StepWork
 from lesson_utils.serving.model_runner import ModelRunner
 from lesson_utils.serving.output import StepPlan
 from lesson_utils.serving.scheduler import FCFSScheduler
+from lesson_utils.serving.speculative import Speculation
 from lesson_utils.serving.step import StepResult, serve_step
 from lesson_utils.serving.token_budget import ChunkedPrefill
 
@@ -113,6 +114,7 @@ class Engine:
     chunked_prefill: ChunkedPrefill | None = None  # lesson 08: prompts prefilled a chunk at a time, in its budget
     scheduler_kw: dict = field(default_factory=dict)  # lesson 06: a learner's choose_victim / reset
     step_fn: object = serve_step  # lesson 07: a learner's version of serve_step
+    speculation: Speculation | None = None  # lesson 11: drafts verified in the step (Speculation(k, propose))
     stats: list[StepStats] = field(default_factory=list)
 
     def __post_init__(self):
@@ -127,8 +129,11 @@ class Engine:
             swap_space=self.swap_space,
             max_num_batched_tokens=self.max_num_batched_tokens,
             chunked=self.chunked_prefill,
+            speculation=self.speculation,
             **self.scheduler_kw,
         )
+        if self.speculation is not None:
+            self.speculation.vocab_size = self.w.vocab_size
         self.runner = ModelRunner(self.w, self.cache, self.host_blocks)
         self._step = 0
 
@@ -188,6 +193,11 @@ class Engine:
 
         Returns the group; once it has finished, ``group.best`` is the best beam."""
         _positive_int(beam_width, "beam_width")
+        if self.speculation is not None:
+            raise ValueError(
+                "beam search with speculative decoding is not supported: a beam's tokens are chosen by its group, "
+                "not verified one sequence at a time - use an engine without speculation for beam search"
+            )
         req = self._request(prompt_ids, max_new_tokens, "beam-search prompt")
         self._needs_fork("beam search shares blocks between beams")
         root = Sequence(req)

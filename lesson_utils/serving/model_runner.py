@@ -30,10 +30,19 @@ class ModelRunner:
         seqs, counts = plan.scheduled, plan.tokens_to_feed()
         if not seqs:
             return RunnerOutput([], None)
-        logits = self.logits(seqs, counts)
         ready = plan.sampling  # the scheduler decided who samples (a prompt chunk that stops short does not)
-        if len(ready) < len(seqs):
-            logits = logits[to_device(ready, torch.long, logits.device)] if ready else logits[:0]
+        if any(n > 1 for n in plan.sample_counts):  # lesson 11: a verifying sequence's rows, one per drafted position
+            rows_of = [1] * len(seqs)
+            for i, n in zip(ready, plan.sample_counts):
+                rows_of[i] = n
+            logits = self.logits(seqs, counts, rows_of)
+            first = [sum(rows_of[:i]) for i in range(len(seqs))]
+            keep = [r for i in ready for r in range(first[i], first[i] + rows_of[i])]
+        else:
+            logits = self.logits(seqs, counts)
+            keep = ready
+        if len(keep) < logits.shape[0]:
+            logits = logits[to_device(keep, torch.long, logits.device)] if keep else logits[:0]
         return RunnerOutput(counts, logits)
 
     def apply(self, plan: StepPlan) -> None:
@@ -47,14 +56,17 @@ class ModelRunner:
         for src, dst in plan.copies:
             self.cache.copy_block(src, dst)
 
-    def logits(self, seqs: list[Sequence], counts: list[int] | None = None) -> torch.Tensor:
-        """Feed every sequence its next ``counts[i]`` uncomputed tokens (default: all of them); the logits of
-        each one's last fed token. The sequences are not changed."""
+    def logits(
+        self, seqs: list[Sequence], counts: list[int] | None = None, rows: list[int] | None = None
+    ) -> torch.Tensor:
+        """Feed every sequence its next ``counts[i]`` uncomputed tokens (default: all of them; a draft's tokens come
+        after its newest one); the logits of each one's last fed token, or of its last ``rows[i]`` fed tokens. The
+        sequences are not changed."""
         if self.before_writes is not None:
             self.before_writes()
         device = self.w.embed_tokens.device
         if counts is None:
-            counts = [len(s.token_ids) - s.num_computed for s in seqs]
-        tokens = [seq.token_ids[seq.num_computed : seq.num_computed + n] for seq, n in zip(seqs, counts)]
+            counts = [len(s.token_ids) + len(s.draft) - s.num_computed for s in seqs]
+        tokens = [(seq.token_ids + seq.draft)[seq.num_computed : seq.num_computed + n] for seq, n in zip(seqs, counts)]
         batch = StepBatch.build([s.seq_id for s in seqs], tokens, [s.num_computed for s in seqs], device=device)
-        return forward(self.w, batch, self.cache, last_only=True)
+        return forward(self.w, batch, self.cache, last_only=True, last_n=rows)

@@ -16,14 +16,16 @@ from __future__ import annotations
 from collections import deque
 from typing import Callable
 
-import torch
-
-from lesson_utils.core.host_copy import to_device
 from lesson_utils.core.types import MemoryManager, OutOfBlocks, Sequence, SequenceStatus, is_int
-from lesson_utils.serving import sampling
-from lesson_utils.serving.forks import fork_samples
-from lesson_utils.serving.output import RunnerOutput, StepPlan
-from lesson_utils.serving.preemption import PreemptionEvent, most_recently_admitted, reset_for_recompute
+from lesson_utils.serving.output import StepPlan
+from lesson_utils.serving.preemption import (
+    PreemptionEvent,
+    checked_victim,
+    most_recently_admitted,
+    reset_for_recompute,
+)
+from lesson_utils.serving.settlement import SettlesSteps
+from lesson_utils.serving.speculative import Speculation
 from lesson_utils.serving.token_budget import ChunkedPrefill, QueueView, TokenState, check_chunks, whole_prompts
 
 
@@ -32,7 +34,7 @@ def _positive(value, what: str) -> None:
         raise ValueError(f"{what} must be a positive int, got {value!r}")
 
 
-class FCFSScheduler:
+class FCFSScheduler(SettlesSteps):
     """First come, first served, at iteration level (Orca's idea: a batch changes every step).
 
     One loop each step (:meth:`schedule`): sequences swapped out to CPU come back first, in the order they left,
@@ -43,13 +45,8 @@ class FCFSScheduler:
     lesson 08's budgeted one with ``chunked=ChunkedPrefill(budget)``. Then room is made for the token every
     sequence that completes its tokens is about to get.
 
-    If a sequence cannot grow because memory ran out (paging reserves nothing ahead), a victim is preempted - the
-    most recently admitted sequence, as in vLLM, or a learner's ``choose_victim`` - in one of two modes:
-
-    * ``"recompute"``: its blocks are freed; it goes back to the front of the queue keeping its tokens, to be
-      prefilled again later (with prefix-cache hits where lesson 05's cache is on);
-    * ``"swap"``: its blocks are copied to the CPU ``swap_space`` and freed on the GPU; it waits in the swapped
-      queue. If the swap space cannot hold it, it is recomputed instead and the event says so.
+    If a sequence cannot grow because memory ran out (paging reserves nothing ahead), a victim is preempted, by
+    ``"recompute"`` or ``"swap"`` (:mod:`~lesson_utils.serving.preemption`); lesson 11's drafts go before anyone.
 
     After the runner has computed the plan, :meth:`update_from_output` advances every computed count, samples and
     appends the due tokens (the one place a token is born), registers full computed blocks in the prefix cache,
@@ -69,6 +66,7 @@ class FCFSScheduler:
         reset: Callable = reset_for_recompute,
         chunked: ChunkedPrefill | None = None,
         hold_finished: bool = False,
+        speculation: Speculation | None = None,
     ):
         if preemption_mode not in ("recompute", "swap"):
             raise ValueError(f"preemption_mode is 'recompute' or 'swap', got {preemption_mode!r}")
@@ -97,6 +95,10 @@ class FCFSScheduler:
         # lesson 09's prefill side (``hold_finished``): a finished sequence keeps its blocks here until release()
         self.hold_finished = hold_finished
         self.held: dict[int, Sequence] = {}
+        if speculation is not None and not isinstance(speculation, Speculation):
+            raise TypeError(f"speculation is a Speculation(k, propose), got {type(speculation).__name__}")
+        self.speculation = speculation  # lesson 11: drafts verified in the step (None: one token per decode)
+        self.verified: list[tuple[int, int, int, int]] = []  # (step, seq_id, drafted, accepted) per verification
         self.events: list[PreemptionEvent] = []
         self.observe: Callable[[StepPlan], None] | None = None  # the simulator's hook: after the tokens, before frees
         self._step = 0
@@ -198,7 +200,8 @@ class FCFSScheduler:
             admitted.append(seq)
             return seq.num_computed
 
-        state = [TokenState(s.seq_id, s.num_computed, s.len) for s in self.running]
+        self._draft(step)
+        state = [TokenState(s.seq_id, s.num_computed, s.len + len(s.draft)) for s in self.running]
         queue = QueueView([] if self.swapped else list(self.waiting))
         try:  # (swapped sequences come back before anyone new is admitted)
             chunks = self.plan_fn(state, queue, self.max_num_batched_tokens, admit)
@@ -217,23 +220,39 @@ class FCFSScheduler:
             raise RuntimeError(
                 "nothing is running and the head request still does not fit: the cache is too small for it even when empty"
             )
-        preempted = self._make_room([s for s, c in zip(seqs, chunks) if c.end == s.len], {})  # {gpu: cpu} swap-outs
+        for s, c in zip(seqs, chunks):
+            if s.draft and c.end < s.len + len(s.draft):  # a budget that cuts a draft verifies what fits
+                del s.draft[max(0, c.end - s.len) :]
+        preempted = self._make_room([s for s, c in zip(seqs, chunks) if c.end == s.len + len(s.draft)], {})
         running = {id(r) for r in self.running}
-        kept = [(s, c) for s, c in zip(seqs, chunks) if id(s) in running]
-        sampling = [i for i, (s, c) in enumerate(kept) if c.end == s.len]  # all its tokens computed: a token is due
+        # (a draft dropped for want of memory shortens its chunk: what is fed ends at the planned length)
+        kept = [(s, c.start, min(c.end, s.len + len(s.draft))) for s, c in zip(seqs, chunks) if id(s) in running]
+        # all its tokens computed (a verifying sequence's drafts too): tokens are due, one per fed position
+        sampling = [i for i, (s, _, end) in enumerate(kept) if end == s.len + len(s.draft)]
         return StepPlan(
             step,
-            [s for s, _ in kept],
-            [c.end - c.start for _, c in kept],
+            [s for s, _, _ in kept],
+            [end - start for _, start, end in kept],
             [s for s in admitted if id(s) in running],
             preempted,
             swap_in,
             swap_out,
             self.manager.pop_copies(),
-            sum(c.end - c.start for s, c in kept if not (c.end - c.start == 1 and s.num_generated)),
+            sum(end - start for s, start, end in kept if not (start == s.len - 1 and s.num_generated)),
             sampling,
-            [1] * len(sampling),
+            [1 + len(kept[i][0].draft) for i in sampling],
         )
+
+    def _draft(self, step: int) -> None:
+        """Lesson 11: each decoding sequence's draft for this step, within the token budget left after one token
+        for every running sequence (none without speculation)."""
+        for s in self.running:
+            s.draft = []
+        if self.speculation is not None:
+            left = None
+            if self.max_num_batched_tokens is not None:
+                left = self.max_num_batched_tokens - sum(s.len - s.num_computed for s in self.running)
+            self.speculation.draft_running(self.running, left)
 
     def _swap_in(self, step: int, moved: dict[int, int]) -> list[tuple[int, int]]:
         """Swapped sequences back, in the order they left, while their blocks (and the token budget) allow."""
@@ -271,9 +290,12 @@ class FCFSScheduler:
         preempted, i = [], 0
         while i < len(samplers):
             try:
-                self.manager.append_slot(samplers[i])
+                self.manager.append_slot(samplers[i], len(samplers[i].draft))
                 i += 1
             except OutOfBlocks as err:
+                if samplers[i].draft:  # speculation never preempts anyone: the draft goes first
+                    samplers[i].draft = []
+                    continue
                 victim = self._victim()
                 if victim.beam is not None:  # a beam cannot wait while its group goes on: the search fails
                     raise OutOfBlocks(
@@ -290,25 +312,10 @@ class FCFSScheduler:
         return preempted
 
     def _victim(self) -> Sequence:
-        """The policy's victim among the running sequences, checked. With chunked prefill a sequence may need
-        several steps before it samples anything, so a policy that kept preempting the same one would stop all
-        progress (an oldest-first policy does): there the policy is never offered the earliest-arrived running
-        sequence while another is running, so that one always goes on and finishes. Without chunking every
-        admission computes a token, and the policy chooses among all of them."""
-        candidates = list(self.running)
-        if self.chunked is not None and len(candidates) > 1:
-            first = min(candidates, key=lambda s: (s.request.arrival_s, s.seq_id))
-            candidates = [s for s in candidates if s is not first]
-        victim = self.choose_victim(candidates)
-        if not any(s is victim for s in candidates):
-            name = getattr(self.choose_victim, "__name__", type(self.choose_victim).__name__)
-            raise ValueError(
-                f"the victim policy {name} returned {victim!r}, which is not one of the {len(candidates)} running "
-                "sequences it was given: it must return one of them"
-            )
-        return victim
+        return checked_victim(self.running, self.choose_victim, protect_oldest=self.chunked is not None)
 
     def _preempt(self, victim: Sequence, moved: dict[int, int]) -> None:
+        victim.draft = []
         note = ""
         if self.preemption_mode == "swap":
             if self.swap_space.can_swap_out(self.manager, victim.seq_id, moved):
@@ -327,62 +334,3 @@ class FCFSScheduler:
         victim.status = SequenceStatus.WAITING
         self.waiting.appendleft(victim)
         self.events.append(PreemptionEvent(self._step, victim.seq_id, "recompute", note))
-
-    # ---- after the forward pass -----------------------------------------------------------------------------
-    def update_from_output(self, plan: StepPlan, output: RunnerOutput) -> list[Sequence]:
-        """Settle the step with what the runner computed; returns the sequences that finished.
-
-        Every scheduled sequence's computed count advances; full computed blocks enter the prefix cache (here, before
-        a finished sequence frees them); a parent that has just prefilled forks its parallel samples (sharing its
-        blocks); then ONE sampling call picks the next token of every sequence the plan says samples and of every
-        new sample (from its parent's row), and appends them - beams excepted: their group chooses, keeping its
-        best continuations; finished sequences free their memory."""
-        for seq, n in zip(plan.scheduled, output.new_computed):
-            seq.num_computed += n
-        due = [plan.scheduled[i] for i in plan.sampling]
-        for seq in plan.scheduled:
-            self.manager.cache_computed(seq)
-        children, parent_rows = [], []
-        for j, seq in enumerate(due):
-            if seq.pending_forks:
-                kids = self._fork(seq)
-                children += kids
-                parent_rows += [j] * len(kids)
-        logits = output.logits
-        if logits is not None and children:
-            logits = torch.cat([logits, logits[to_device(parent_rows, torch.long, logits.device)]])
-        sampled = due + children
-        tokens = [None] * len(sampled) if logits is None else sampling.next_tokens(sampled, logits)
-        rows = {  # the beams' logits rows: their group chooses (None: a simulation)
-            id(s): (None if logits is None else logits[j]) for j, s in enumerate(due) if s.beam is not None
-        }
-        for seq, token in zip(sampled, tokens):
-            if seq.beam is None:
-                seq.append_token(token, plan.step)
-        if self.observe is not None:
-            self.observe(plan)
-        for group in list({id(s.beam): s.beam for s in self.running if s.beam is not None}.values()):
-            if all(id(b) in rows for b in group.beams):
-                group.advance([rows[id(b)] for b in group.beams], plan.step, self.manager, self.new_seq_id)
-                # the group's beams run next step in the order chosen, after everyone else
-                self.running = [s for s in self.running if s.beam is not group] + group.beams
-        done = [s for s in self.running if s.is_finished]
-        for seq in done:
-            if self.hold_finished:  # its blocks are still to be sent (lesson 09): release() frees them
-                self.held[seq.seq_id] = seq
-            else:
-                self.manager.free(seq.seq_id)
-            seq.finished_step, seq.status = plan.step, SequenceStatus.FINISHED
-            self.finished.append(seq)
-        if done:
-            self.running = [s for s in self.running if not s.is_finished]
-        for group in {id(s.beam): s.beam for s in done if s.beam is not None}.values():
-            group.best = max(zip(group.beams, group.scores), key=lambda b: b[1])[0]  # max keeps the first of equals
-        return done
-
-    def _fork(self, parent: Sequence) -> list[Sequence]:
-        """Parallel sampling, after the parent's prefill: its n - 1 siblings share its blocks and join the running
-        batch; each draws its first token in the step's one sampling call."""
-        children = fork_samples(parent, self.manager, self.new_seq_id)
-        self.running += children
-        return children

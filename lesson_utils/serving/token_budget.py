@@ -191,11 +191,11 @@ def check_chunks(chunks, running: list, waiting_ids: Iterable[int], budget: int 
                     f"after admit({c.seq_id}) returned a number"
                 )
             raise ValueError(f"chunk {c} from {name}: no sequence {c.seq_id} is running or waiting here")
-        num_computed, length = seq.num_computed, seq.len
+        num_computed, length = seq.num_computed, seq.len + len(seq.draft)  # (lesson 11: its drafted tokens too)
         if not (c.start == num_computed and c.start < c.end <= length):
             raise ValueError(
-                f"chunk {c} from {name}: sequence {c.seq_id} has {seq.num_computed} of {seq.len} tokens computed, so "
-                f"its chunk runs from {seq.num_computed} to at most {seq.len}"
+                f"chunk {c} from {name}: sequence {c.seq_id} has {seq.num_computed} of {length} tokens computed, so "
+                f"its chunk runs from {seq.num_computed} to at most {length}"
             )
         seqs.append(seq)
         total += c.end - c.start

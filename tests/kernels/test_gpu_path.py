@@ -355,3 +355,24 @@ def test_a_refused_step_is_restored_on_the_device_too(on_device):
             assert refused == len(engine.stats) and engine.scheduler.num_preemptions > 0, name
             assert [s.output_ids for s in seqs] == want, name
             assert engine.manager.num_free_blocks == engine.manager.num_blocks, name
+
+
+def test_speculative_decoding_on_the_device_keeps_greedy_tokens_and_the_sync_budget(on_device):
+    """Lesson 11 on the stand-in device: drafts, verification and rollback mix no host tensor into device work,
+    and a verifying step waits no more than a decode step (two syncs: the tokens, and sampling)."""
+    from lesson_utils.serving.speculative import Speculation
+
+    model, w = on_device
+    prompts = [[w.bos_token_id] + [9, 10, 11] * 3, [w.bos_token_id] + [40, 41] * 4]
+    with discipline():
+        want = Engine(w, PagedKVCache.for_model(w, 40, 4, batched_decode=True), stop_at_eos=False).generate(prompts, 8)
+        engine = Engine(
+            w, PagedKVCache.for_model(w, 40, 4, batched_decode=True), stop_at_eos=False, speculation=Speculation(4)
+        )
+        seqs = [engine.add_request(p, 8) for p in prompts]
+        while engine.scheduler.has_work:
+            with dd.count_syncs() as c:
+                engine.step()
+            assert c.n <= 2, c.why
+    assert [s.output_ids for s in seqs] == want
+    assert any(d for _, _, d, _ in engine.scheduler.verified)

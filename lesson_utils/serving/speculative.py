@@ -1,0 +1,175 @@
+"""Lesson 11: speculative decoding - a proposer drafts tokens, the target model verifies them in one forward pass.
+
+A decoding sequence normally feeds one token a step and gets one back. With speculation the scheduler asks a
+proposer for up to ``k`` draft tokens (:meth:`Speculation.draft_for`), reserves their slots beside the newest
+token's (``manager.append_slot(seq, lookahead=len(draft))``), and the runner feeds the newest token and the drafts
+together - a query of ``k + 1`` tokens, as lesson 08's chunks are - returning the target's logits at each of those
+positions. ``update_from_output`` then keeps the drafts the target agrees with and one token of the target's own
+after them (:func:`accept_greedy`, or :func:`accept_sampled` for temperature > 0: the rejection rule of Leviathan
+et al., ICML 2023, and Chen et al., 2023), and rolls back the rest: the computed count, and the blocks only rejected
+tokens used (``manager.trim``). Greedy speculation therefore produces exactly the tokens greedy decoding would.
+
+The proposer here is prompt lookup (:func:`prompt_lookup`): the tokens that followed the latest earlier occurrence of
+the context's last few tokens - no second model, so it runs in every profile.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from lesson_utils.core.host_copy import to_device
+from lesson_utils.core.types import Sequence, is_int
+from lesson_utils.serving import sampling
+
+
+def prompt_lookup(token_ids: list[int], k: int, *, max_ngram: int = 3, min_ngram: int = 1) -> list[int]:
+    """Up to ``k`` tokens that followed the latest earlier occurrence of the context's last ``n`` tokens, for the
+    longest ``n`` from ``max_ngram`` down to ``min_ngram`` that occurs earlier; ``[]`` when none does (a plain
+    decode step then). ``token_ids`` is not changed."""
+    if k <= 0:
+        return []
+    for n in range(min(max_ngram, len(token_ids) - 1), min_ngram - 1, -1):
+        tail = token_ids[-n:]
+        for start in range(len(token_ids) - n - 1, -1, -1):  # the latest earlier occurrence first
+            if token_ids[start : start + n] == tail:
+                return list(token_ids[start + n : start + n + k])
+    return []
+
+
+@dataclass
+class Speculation:
+    """How a scheduler speculates: at most ``k`` drafted tokens per decoding sequence and step, from ``propose``
+    (``propose(token_ids, k) -> list of token ids``). ``vocab_size`` (set by the engine) bounds the ids a proposer
+    may return; a draft never runs past the request's ``max_new_tokens`` (the target's own token after the drafts
+    is always the last one it may add)."""
+
+    k: int
+    propose: Callable[[list[int], int], list[int]] = prompt_lookup
+    vocab_size: int | None = None
+
+    def __post_init__(self):
+        if not is_int(self.k) or self.k < 0:
+            raise ValueError(f"k (tokens drafted per step) must be an int >= 0, got {self.k!r}")
+        if not callable(self.propose):
+            raise TypeError(f"propose must be a function (token_ids, k) -> token ids, got {self.propose!r}")
+
+    def draft_for(self, seq: Sequence, budget: int | None = None) -> list[int]:
+        """``seq``'s draft for this step, checked: at most ``k``, at most what the request may still add minus one,
+        at most ``budget`` (the token budget left), ids in the vocabulary. A clear error names a proposer that breaks
+        the contract."""
+        room = min(self.k, seq.request.output_len - seq.num_generated - 1)
+        if budget is not None:
+            room = min(room, budget)
+        if room <= 0:
+            return []
+        name = getattr(self.propose, "__name__", type(self.propose).__name__)
+        draft = self.propose(list(seq.token_ids), room)
+        if not isinstance(draft, (list, tuple)):
+            raise TypeError(f"the proposer {name} returned {type(draft).__name__}; it returns a list of token ids")
+        if len(draft) > room:
+            raise ValueError(
+                f"the proposer {name} returned {len(draft)} tokens for sequence {seq.seq_id}, but was asked for at "
+                f"most {room} (k = {self.k}, and the request's remaining tokens)"
+            )
+        for i, t in enumerate(draft):
+            if not is_int(t):
+                raise TypeError(
+                    f"the proposer {name}'s token {i} for sequence {seq.seq_id} is {t!r}: token ids are ints"
+                )
+            if self.vocab_size is not None and not 0 <= t < self.vocab_size:
+                raise ValueError(
+                    f"the proposer {name}'s token {i} for sequence {seq.seq_id} is {t}, outside the vocabulary of "
+                    f"{self.vocab_size} ids"
+                )
+        return [int(t) for t in draft]
+
+    def draft_running(self, running: list[Sequence], budget: int | None) -> None:
+        """Set each plain decoding sequence's draft (not a beam, not one with uncomputed tokens or samples still to
+        fork), the drafts together within ``budget`` tokens when one is given."""
+        for s in running:
+            if s.beam is not None or s.pending_forks or s.num_computed != s.len - 1 or not s.num_generated:
+                continue
+            s.draft = self.draft_for(s, budget)
+            if budget is not None:
+                budget -= len(s.draft)
+
+
+def settle_drafts(
+    due: list[Sequence], logits, counts: list[int], step: int, manager
+) -> list[tuple[int, int, int, int]]:
+    """After a verifying step: every sequence of ``due`` (the step's samplers, in plan order; ``counts[j]`` logits
+    rows each, ``logits`` None in a simulation) gets its tokens - a verifying one the drafts the target agrees with
+    and the target's own next token (:func:`accept_greedy`, or :func:`accept_sampled` when it samples), stopping at
+    eos or its last allowed token; then a verifying sequence's rejected drafts are rolled back: its computed count,
+    the slots past its newest token (``manager.trim``), before its full computed blocks enter the prefix cache.
+    Returns ``(step, seq_id, drafted, accepted)`` per verifying sequence."""
+    verifying = {id(s) for s in due if s.draft}
+    first = [sum(counts[:j]) for j in range(len(due))]
+    if logits is None:  # a simulation: every draft kept, as if the proposer were always right
+        kept = [list(s.draft) + [None] for s in due]
+    else:
+        sampled_rows = {j for j, s in enumerate(due) if id(s) in verifying and s.temperature > 0}
+        plain = [(j, r) for j, s in enumerate(due) for r in range(counts[j]) if j not in sampled_rows]
+        index = to_device([first[j] + r for j, r in plain], torch.long, logits.device)
+        tokens = sampling.next_tokens([due[j] for j, _ in plain], logits[index]) if plain else []
+        by_due: dict[int, list[int]] = {}
+        for (j, _), t in zip(plain, tokens):
+            by_due.setdefault(j, []).append(t)
+        kept = []
+        for j, s in enumerate(due):
+            if j in sampled_rows:
+                rows = logits[first[j] : first[j] + counts[j]].float() / s.temperature
+                kept.append(accept_sampled(s.draft, torch.softmax(rows, dim=-1).cpu(), s.generator))
+            else:
+                kept.append(accept_greedy(s.draft, by_due[j]) if id(s) in verifying else by_due[j])
+    log = []
+    for s, tokens in zip(due, kept):
+        drafted = len(s.draft)
+        for t in tokens:
+            s.append_token(t, step)
+            if s.is_finished:
+                break
+        if id(s) in verifying:
+            log.append((step, s.seq_id, drafted, len(tokens) - 1))
+            s.num_computed = min(s.num_computed, s.len - 1)  # the rejected drafts' K/V no longer count
+            if not s.is_finished:
+                manager.trim(s.seq_id, s.len)  # the newest token keeps its slot; the rest goes back
+            manager.cache_computed(s)
+        s.draft = []
+    return log
+
+
+def accept_greedy(draft: list[int], targets: list[int]) -> list[int]:
+    """Greedy verification: ``targets[i]`` is the target's argmax after the newest token and the first ``i`` drafts
+    (``len(draft) + 1`` of them). Keeps the longest prefix of ``draft`` that equals ``targets``, then the target's own
+    token after it - at least one token, at most ``len(draft) + 1``."""
+    a = 0
+    while a < len(draft) and draft[a] == targets[a]:
+        a += 1
+    return list(draft[:a]) + [int(targets[a])]
+
+
+def accept_sampled(draft: list[int], probs: torch.Tensor, generator: torch.Generator | None) -> list[int]:
+    """Rejection sampling with a deterministic proposer (its distribution ``q`` is one-hot on each draft token):
+    draft token ``x`` at position ``i`` is kept with probability ``min(1, p_i(x) / q_i(x)) = p_i(x)``; at the first
+    rejection the token is drawn from ``max(0, p_i - q_i)`` normalized - ``p_i`` without ``x`` - and the rest is
+    dropped; when every draft is kept one more token is drawn from ``p_{len(draft)}``. The output is distributed as
+    sampling from the target alone. ``probs`` is ``[len(draft) + 1, vocab]`` on the host."""
+    out = []
+    for i, x in enumerate(draft):
+        if float(torch.rand(1, generator=generator)) < float(probs[i, x]):
+            out.append(int(x))
+            continue
+        residual = probs[i].clone()
+        residual[x] = 0
+        total = float(residual.sum())
+        if total <= 0:  # p was one-hot on x: a rejection has probability 0 there
+            out.append(int(x))
+            continue
+        out.append(int(torch.multinomial(residual / total, 1, generator=generator)))
+        return out
+    out.append(int(torch.multinomial(probs[len(draft)], 1, generator=generator)))
+    return out
