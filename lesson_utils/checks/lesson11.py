@@ -1,0 +1,173 @@
+"""Checkers for lesson 11 (speculative decoding): the proposer, greedy verification, and rejection sampling - the last
+one checked by the distribution of what it returns, not by one seed's tokens."""
+
+from __future__ import annotations
+
+import random
+
+import torch
+
+from lesson_utils.core.types import is_int
+from lesson_utils.serving.speculative import accept_greedy, accept_sampled, prompt_lookup
+
+from .core import CheckResult, call_learner, check_function, failed, not_implemented, passed, short
+
+
+def _lookup_cases() -> list[tuple]:
+    cases = [
+        ([5, 6, 7, 9, 5, 6, 8, 1, 5, 6], 2),  # two earlier matches: the latest wins
+        ([1, 2, 3, 4, 2, 3], 3),  # the longest suffix that occurs earlier
+        ([9, 2, 3, 7, 3, 1, 2, 3], 2),  # "2 3" occurred, and "3" later: the longer match first
+        ([1, 2, 3, 4], 3),  # no earlier occurrence: nothing to propose
+        ([4, 4], 5),  # fewer tokens than k follow the match
+        ([7, 8, 7], 0),  # k = 0
+        ([3], 2),  # one token: nothing before it
+        ([1, 2, 1, 2, 1, 2], 4),  # the match's continuation runs into the suffix itself
+    ]
+    rng = random.Random(11)
+    for _ in range(20):
+        ids = [rng.randrange(3) for _ in range(rng.randrange(2, 16))]
+        cases.append((ids, rng.randrange(0, 6)))
+    return cases
+
+
+def _lookup_hint(case, expected, got) -> str:
+    ids, k = case
+    if not isinstance(got, list):
+        return "return a list of token ids (a list, even when it is empty)"
+    if len(got) > k:
+        return f"at most k = {k} tokens"
+    if expected and not got:
+        return "the context's last tokens do occur earlier: what followed them there?"
+    if got and not expected:
+        return "does the context's last token occur anywhere before it?"
+    return "with several earlier matches, which one does prompt lookup use? And which match length is tried first?"
+
+
+def check_prompt_lookup(fn) -> CheckResult:
+    """Exercise 11-1: ``propose(token_ids, k)`` - up to k tokens after the latest earlier occurrence of the longest
+    matching suffix (3 tokens down to 1), ``[]`` without one; the context is not changed."""
+    return check_function(
+        "prompt_lookup",
+        fn,
+        prompt_lookup,
+        _lookup_cases(),
+        explain=_lookup_hint,
+        arg_names=("token_ids", "k"),
+    )
+
+
+def _greedy_cases() -> list[tuple]:
+    cases = [
+        ([4, 5, 6], [4, 5, 6, 7]),  # every draft agrees: k + 1 tokens
+        ([4, 5, 6], [4, 9, 6, 7]),  # the second disagrees: the target's token there, nothing after it
+        ([4, 5, 6], [1, 5, 6, 7]),  # the first disagrees, later ones agree by chance
+        ([], [3]),  # no draft: a plain decode step
+        ([2, 2], [2, 3, 2]),
+    ]
+    rng = random.Random(12)
+    for _ in range(20):
+        d = rng.randrange(0, 6)
+        draft = [rng.randrange(3) for _ in range(d)]
+        cases.append((draft, [rng.randrange(3) for _ in range(d + 1)]))
+    return cases
+
+
+def _greedy_hint(case, expected, got) -> str:
+    draft, targets = case
+    if not isinstance(got, list):
+        return "return a list of token ids"
+    if len(got) == len(expected) - 1 and got == expected[:-1]:
+        return "after the kept drafts the target has computed one more token: it comes for free"
+    if len(got) > len(expected):
+        return "after the first draft the target disagrees with, are the later drafts still valid?"
+    return "at the first disagreement, whose token is right: the draft's or the target's?"
+
+
+def check_accept_greedy(fn) -> CheckResult:
+    """Exercise 11-2: ``accept(draft, targets)`` - the longest agreeing prefix of the draft, then the target's token."""
+    return check_function(
+        "accept_greedy", fn, accept_greedy, _greedy_cases(), explain=_greedy_hint, arg_names=("draft", "targets")
+    )
+
+
+# the rejection rule: a distribution test over a 5-token vocabulary
+_ROWS = torch.tensor(  # the target's distribution after the newest token, after draft 1, after draft 2
+    [[0.1, 0.4, 0.05, 0.3, 0.15], [0.3, 0.05, 0.2, 0.35, 0.1], [0.05, 0.15, 0.5, 0.1, 0.2]]
+)
+_P = _ROWS[0]
+_TRIALS = 3000
+_Z = 4.5  # standard errors: a correct sampler fails a case about once in 10^5 runs
+
+
+def _sample_many(fn, draft: list[int], probs: torch.Tensor, seed: int):
+    """Per output position, the counts of each token and how many outputs reached it; or a problem."""
+    g = torch.Generator().manual_seed(seed)
+    counts = torch.zeros(len(draft) + 1, len(_P))
+    for _ in range(_TRIALS):
+        out, err = call_learner(fn, list(draft), probs.clone(), g)
+        if err is not None:
+            return None, f"raised {type(err).__name__}: {err}"
+        if not isinstance(out, list) or not out or not all(is_int(t) and 0 <= t < len(_P) for t in out):
+            return None, f"returned {short(out)}: a non-empty list of token ids (0 .. {len(_P) - 1})"
+        if len(out) > len(draft) + 1:
+            return None, f"returned {len(out)} tokens for a draft of {len(draft)}: at most {len(draft) + 1}"
+        if out[: len(out) - 1] != draft[: len(out) - 1]:
+            return None, f"returned {out} for the draft {draft}: only the last token may differ from it"
+        for i, t in enumerate(out):
+            counts[i, t] += 1
+    return counts, None
+
+
+def _off(freqs: torch.Tensor, p: torch.Tensor, n: int) -> int | None:
+    """The token whose frequency is furthest outside ``_Z`` standard errors of ``p``, or None."""
+    se = (p * (1 - p) / max(n, 1)).sqrt()
+    excess = (freqs - p).abs() - _Z * se - 1e-9
+    worst = int(excess.argmax())
+    return worst if float(excess[worst]) > 0 else None
+
+
+def check_accept_sampled(fn) -> CheckResult:
+    """Exercise 11-3: ``accept(draft, probs, generator)`` - the rejection rule for a deterministic proposer. Checked by
+    distribution: over many seeded trials the first token must be distributed as the target's ``p``, whichever token
+    was drafted, and the token after a kept draft too; ``probs`` must come back unchanged."""
+    name = "accept_sampled"
+    probs = _ROWS.clone()
+    before = probs.clone()
+    try:
+        out, err = call_learner(fn, [1, 3], probs, torch.Generator().manual_seed(0))
+    except NotImplementedError:
+        return not_implemented(name, accept_sampled)
+    if err is None and not torch.equal(probs, before):
+        return failed(
+            name, "your code changed `probs`; it must leave the target's probabilities as they were", accept_sampled
+        )
+    for x in (1, 2):  # a likely draft token and an unlikely one
+        try:
+            counts, problem = _sample_many(fn, [x, 3], _ROWS.clone(), seed=x)
+        except NotImplementedError:
+            return not_implemented(name, accept_sampled)
+        if problem:
+            return failed(name, f"drafting [{x}, 3]: your code {problem}", accept_sampled)
+        why = (
+            "when the draft is rejected, which distribution is the replacement drawn from?",
+            "is the second draft judged with the second row of probs?",
+            "when every draft is kept, where does the last token come from?",
+        )
+        for i, n in enumerate(counts.sum(dim=1).tolist()):
+            token = _off(counts[i] / max(n, 1), _ROWS[i], int(n)) if n else None
+            if token is not None:
+                return failed(
+                    name,
+                    f"drafting [{x}, 3] over {_TRIALS} seeded trials, output token {i + 1} (reached {int(n)} times) "
+                    f"was {token} in {float(counts[i, token]) / n:.1%} of them; the target's probability there is "
+                    f"{float(_ROWS[i, token]):.1%}. Speculative sampling gives every token the target's probability: "
+                    + why[min(i, 2)],
+                    accept_sampled,
+                )
+    return passed(
+        name,
+        f"over {2 * _TRIALS} seeded trials the first and second tokens are distributed as the target's (within "
+        f"{_Z} standard errors), whichever token was drafted.",
+        fn,
+    )
