@@ -97,6 +97,12 @@ class FCFSScheduler(SettlesSteps):
         self.held: dict[int, Sequence] = {}
         if speculation is not None and not isinstance(speculation, Speculation):
             raise TypeError(f"speculation is a Speculation(k, propose), got {type(speculation).__name__}")
+        budget = chunked.budget if chunked else max_num_batched_tokens
+        if speculation is not None and budget is not None and speculation.k + 1 > budget:
+            raise ValueError(
+                f"speculation's k = {speculation.k} drafts need k + 1 = {speculation.k + 1} tokens of a step for one "
+                f"sequence, over the token budget of {budget}: lower k or raise the budget"
+            )
         self.speculation = speculation  # lesson 11: drafts verified in the step (None: one token per decode)
         self.verified: list[tuple[int, int, int, int]] = []  # (step, seq_id, drafted, accepted) per verification
         self.events: list[PreemptionEvent] = []

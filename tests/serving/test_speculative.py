@@ -261,3 +261,12 @@ def test_any_accept_lengths_give_greedy_tokens_and_leak_no_block(tiny, seed, k, 
     engine.run()
     assert [[s.output_ids for s in f.samples] for f in firsts] == want
     assert _all_free(engine)
+
+
+def test_a_k_the_token_budget_cannot_hold_is_refused(tiny):
+    _, w = tiny
+    with pytest.raises(ValueError, match="k = 6 drafts need k \\+ 1 = 7 tokens.*over the token budget of 5"):
+        Engine(w, PagedKVCache.for_model(w, 20, 4), chunked_prefill=ChunkedPrefill(5), speculation=Speculation(6))
+    with pytest.raises(ValueError, match="over the token budget of 3"):
+        Engine(w, PagedKVCache.for_model(w, 20, 4), max_num_batched_tokens=3, speculation=Speculation(3))
+    Engine(w, PagedKVCache.for_model(w, 20, 4), chunked_prefill=ChunkedPrefill(5), speculation=Speculation(4))
