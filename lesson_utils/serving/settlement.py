@@ -66,7 +66,9 @@ class SettlesSteps:
         for seq in plan.scheduled:
             if id(seq) not in verifying:
                 self.manager.cache_computed(seq)
-        self.verified += settle_drafts(due, output.logits, plan.sample_counts, plan.step, self.manager)
+        self.verified += settle_drafts(
+            due, output.logits, plan.sample_counts, plan.step, self.manager, self.speculation
+        )
         return self._finish_step(plan, due, {})
 
     def _finish_step(self, plan: StepPlan, due: list[Sequence], rows: dict) -> list[Sequence]:

@@ -49,6 +49,8 @@ class Speculation:
     k: int
     propose: Callable[[list[int], int], list[int]] = prompt_lookup
     vocab_size: int | None = None
+    greedy_rule: Callable | None = None  # accept(draft, targets) -> tokens; None: accept_greedy (lesson 11's 2)
+    sampled_rule: Callable | None = None  # accept(draft, probs, generator) -> tokens; None: accept_sampled (3)
 
     def __post_init__(self):
         if not is_int(self.k) or self.k < 0:
@@ -98,15 +100,18 @@ class Speculation:
 
 
 def settle_drafts(
-    due: list[Sequence], logits, counts: list[int], step: int, manager
+    due: list[Sequence], logits, counts: list[int], step: int, manager, spec: Speculation | None = None
 ) -> list[tuple[int, int, int, int]]:
     """After a verifying step: every sequence of ``due`` (the step's samplers, in plan order; ``counts[j]`` logits
     rows each, ``logits`` None in a simulation) gets its tokens - a verifying one the drafts the target agrees with
     and the target's own next token (:func:`accept_greedy`, or :func:`accept_sampled` when it samples), stopping at
     eos or its last allowed token; then a verifying sequence's rejected drafts are rolled back: its computed count,
     the slots past its newest token (``manager.trim``), before its full computed blocks enter the prefix cache.
-    Returns ``(step, seq_id, drafted, accepted)`` per verifying sequence."""
+    ``spec``'s rules, where it names a learner's, decide instead. Returns ``(step, seq_id, drafted, accepted)`` per
+    verifying sequence."""
     verifying = {id(s) for s in due if s.draft}
+    greedy_rule = (spec and spec.greedy_rule) or accept_greedy
+    sampled_rule = (spec and spec.sampled_rule) or accept_sampled
     first = [sum(counts[:j]) for j in range(len(due))]
     if logits is None:  # a simulation: every draft kept, as if the proposer were always right
         kept = [list(s.draft) + [None] for s in due]
@@ -122,9 +127,9 @@ def settle_drafts(
         for j, s in enumerate(due):
             if j in sampled_rows:
                 rows = logits[first[j] : first[j] + counts[j]].float() / s.temperature
-                kept.append(accept_sampled(s.draft, torch.softmax(rows, dim=-1).cpu(), s.generator))
+                kept.append(sampled_rule(list(s.draft), torch.softmax(rows, dim=-1).cpu(), s.generator))
             else:
-                kept.append(accept_greedy(s.draft, by_due[j]) if id(s) in verifying else by_due[j])
+                kept.append(greedy_rule(list(s.draft), by_due[j]) if id(s) in verifying else by_due[j])
     log = []
     for s, tokens in zip(due, kept):
         drafted = len(s.draft)

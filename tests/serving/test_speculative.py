@@ -120,7 +120,7 @@ def test_greedy_speculation_gives_the_tokens_of_greedy_decoding(tiny, kind):
     make = _kinds(w)[kind]
     plain = make(stop_at_eos=False)
     want = plain.generate(prompts, new)
-    ks = (4,) if slow else (1, 2, 4, 8)
+    ks = (4,) if slow else (1, 2, 4, 6) if kind.startswith("chunked") else (1, 2, 4, 8)  # (a budget of 7)
     for k in ks:
         engine = make(stop_at_eos=False, speculation=Speculation(k))
         assert engine.generate(prompts, new) == want, (kind, k)
