@@ -4,7 +4,7 @@ Every student notebook is executed (nbclient, through ``run_all.run_notebook``) 
 answered wrongly (each stub's ``raise NotImplementedError`` replaced by ``return None``), the others left
 unsolved, and every check cell run twice in a row. Both runs of the first check must say "try again", both
 runs of the others "not solved", and no run may say "passed". (A check cell that rebound the exercise's own
-name to the reference made the second run pass the reference.)
+name to the reference made the second run pass the reference.) The notebook runs up to its last check cell.
 """
 
 from __future__ import annotations
@@ -35,8 +35,9 @@ def _with_wrong_first_exercise_and_checks_twice(nb):
             twin.id = f"{cell.id}-again"
             cells.append(twin)
             checks.append((cell, twin))
-    nb.cells = cells
-    return nb, checks
+    last = max(i for i, c in enumerate(cells) if checks and c is checks[-1][1])
+    nb.cells = cells[: last + 1]  # a verdict depends only on the cells above it: the measurements after the last
+    return nb, checks  # check are not run here (the notebooks' own tests run them)
 
 
 def _verdicts(cell) -> list[str]:
