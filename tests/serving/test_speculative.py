@@ -12,8 +12,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from lesson_utils.cache.int8_paged import Int8PagedKVCache
 from lesson_utils.cache.paged import PagedKVCache
-from lesson_utils.cache.triton_paged import UnifiedTritonKVCache
+from lesson_utils.cache.triton_paged import TritonPagedKVCache, UnifiedTritonKVCache
+from lesson_utils.memory.block_manager import BlockManager
 from lesson_utils.memory.sharing import SharingBlockManager
 from lesson_utils.memory.swap import SwapSpace
 from lesson_utils.serving.engine import Engine
@@ -102,6 +104,10 @@ def _kinds(w):
         "chunked (unified kernel)": lambda **kw: Engine(
             w, UnifiedTritonKVCache.for_model(w, 60, 4), chunked_prefill=ChunkedPrefill(7), **kw
         ),
+        "Triton decode kernel": lambda **kw: Engine(
+            w, TritonPagedKVCache(w.num_layers, w.num_kv_heads, w.head_dim, BlockManager(60, 4)), **kw
+        ),
+        "int8": lambda **kw: Engine(w, Int8PagedKVCache.for_model(w, 60, 4), **kw),
     }
 
 
@@ -111,11 +117,21 @@ def _all_free(engine) -> bool:
 
 
 @pytest.mark.parametrize(
-    "kind", ["paged", "prefix cache", "recompute", "swap", "chunked (gather)", "chunked (unified kernel)"]
+    "kind",
+    [
+        "paged",
+        "prefix cache",
+        "recompute",
+        "swap",
+        "chunked (gather)",
+        "chunked (unified kernel)",
+        "Triton decode kernel",
+        "int8",
+    ],
 )
 def test_greedy_speculation_gives_the_tokens_of_greedy_decoding(tiny, kind):
     _, w = tiny
-    slow = kind == "chunked (unified kernel)"  # Triton's interpreter: a smaller case
+    slow = kind in ("chunked (unified kernel)", "Triton decode kernel")  # Triton's interpreter: a smaller case
     prompts, new = (_prompts(w, n=2), 8) if slow else (_prompts(w), 14)
     make = _kinds(w)[kind]
     plain = make(stop_at_eos=False)
