@@ -206,7 +206,7 @@ class FCFSScheduler(SettlesSteps):
             admitted.append(seq)
             return seq.num_computed
 
-        self._draft(step)
+        self._draft()
         state = [TokenState(s.seq_id, s.num_computed, s.len + len(s.draft)) for s in self.running]
         queue = QueueView([] if self.swapped else list(self.waiting))
         try:  # (swapped sequences come back before anyone new is admitted)
@@ -249,7 +249,7 @@ class FCFSScheduler(SettlesSteps):
             [1 + len(kept[i][0].draft) for i in sampling],
         )
 
-    def _draft(self, step: int) -> None:
+    def _draft(self) -> None:
         """Lesson 11: each decoding sequence's draft for this step, within the token budget left after one token
         for every running sequence (none without speculation)."""
         for s in self.running:

@@ -127,7 +127,12 @@ def settle_drafts(
         for j, s in enumerate(due):
             if j in sampled_rows:
                 rows = logits[first[j] : first[j] + counts[j]].float() / s.temperature
-                kept.append(sampled_rule(list(s.draft), torch.softmax(rows, dim=-1).cpu(), s.generator))
+                probs = torch.softmax(rows, dim=-1).cpu()
+                if not bool(torch.isfinite(probs).all()):  # next_tokens' check, for the rows it did not read
+                    raise ValueError(
+                        f"the logits of sequence(s) [{s.seq_id}] hold NaN or inf while verifying its draft"
+                    )
+                kept.append(sampled_rule(list(s.draft), probs, s.generator))
             else:
                 kept.append(greedy_rule(list(s.draft), by_due[j]) if id(s) in verifying else by_due[j])
     log = []

@@ -27,6 +27,7 @@ from lesson_utils.memory.reservation import ContiguousReservationManager
 from lesson_utils.memory.sharing import SharingBlockManager
 from lesson_utils.memory.swap import SwapSpace
 from lesson_utils.serving.engine import Engine
+from lesson_utils.serving.speculative import Speculation
 from lesson_utils.serving.step import serve_step
 from lesson_utils.serving.token_budget import ChunkedPrefill
 
@@ -69,6 +70,7 @@ def _kinds(w):
         "int8 kernels": lambda: Engine(w, Int8PagedKVCache.for_model(w, 40, 4, use_kernels=True)),
         "forks": lambda: Engine(w, PagedKVCache.for_model(w, manager=sharing(14))),
         "beams": lambda: Engine(w, PagedKVCache.for_model(w, manager=sharing(60))),
+        "speculative (k = 3)": lambda: Engine(w, PagedKVCache.for_model(w, 40, 4), speculation=Speculation(3)),
     }
 
 
