@@ -3,6 +3,9 @@ and the acceptance a run actually saw (from the scheduler's record of every veri
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+from typing import Callable
+
 
 def expected_tokens_per_step(a: float, k: int) -> float:
     """Tokens a verify step of ``k`` drafts yields on average when each draft is accepted with probability ``a``,
@@ -40,3 +43,43 @@ def tokens_per_verify_step(verified: list[tuple[int, int, int, int]]) -> float:
     if not verified:
         raise ValueError("no verification was recorded: did the engine speculate?")
     return sum(a + 1 for *_, a in verified) / len(verified)
+
+
+def acceptance_rate(verified: list[tuple[int, int, int, int]]) -> float:
+    """The share of judged drafts the target kept, over a run's verifications - the ``a`` of the independent
+    model (a draft after the first rejection is never judged, so it does not count)."""
+    judged = sum(min(a + 1, d) for _, _, d, a in verified)
+    if not judged:
+        raise ValueError("no draft was judged: did the engine speculate?")
+    return sum(a for *_, a in verified) / judged
+
+
+def pick_k(a: float, cost: dict[int, float]) -> tuple[int, float]:
+    """Lesson 11's exercise 5: the number of drafts worth proposing. ``cost[n]`` is what a step feeding ``n`` tokens
+    costs (``n = 1 .. K + 1``; ``cost[1]`` is a plain decode step). For each ``k`` in ``0 .. K`` the predicted speedup
+    is :func:`expected_tokens_per_step` ``(a, k) x cost[1] / cost[k + 1]``; returns the best ``k`` (the smallest of
+    equals: fewer lookahead slots for the same speed) and its predicted speedup."""
+    best_k, best = 0, 1.0
+    for k in range(1, max(cost)):
+        s = expected_tokens_per_step(a, k) * cost[1] / cost[k + 1]
+        if s > best:
+            best_k, best = k, s
+    return best_k, best
+
+
+@dataclass
+class RecordedProposer:
+    """A proposer that notes every call: ``calls`` holds ``(asked, proposed)`` - the k it was given and how many
+    tokens it returned - which is what :meth:`~lesson_utils.serving.speculative.SimulatedDrafts.fitted` needs."""
+
+    propose: Callable[[list[int], int], list[int]]
+    calls: list[tuple[int, int]] = field(default_factory=list)
+
+    def __call__(self, token_ids: list[int], k: int) -> list[int]:
+        draft = self.propose(token_ids, k)
+        self.calls.append((k, len(draft) if isinstance(draft, (list, tuple)) else 0))
+        return draft
+
+    @property
+    def __name__(self) -> str:
+        return getattr(self.propose, "__name__", "proposer")

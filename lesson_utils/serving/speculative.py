@@ -15,7 +15,8 @@ the context's last few tokens - no second model, so it runs in every profile.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import random
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -40,6 +41,52 @@ def prompt_lookup(token_ids: list[int], k: int, *, max_ngram: int = 3, min_ngram
 
 
 @dataclass
+class SimulatedDrafts:
+    """A proposer and the target's verdicts, for the simulator (which has no token ids and no logits), fitted to a
+    real run: a decoding sequence drafts with probability ``draft_share`` (prompt lookup finds no match otherwise),
+    ``lengths`` are the draft lengths it proposed when it did (one drawn, then cut to what the step allows), and
+    each draft is kept with probability ``acceptance`` until the first rejection - the independent-acceptance model
+    behind ``(1 - a^(k+1)) / (1 - a)``. A model: the lesson checks the simulation it drives against real runs."""
+
+    draft_share: float
+    lengths: list[int]
+    acceptance: float
+    seed: int = 0
+    _rng: random.Random = field(init=False, repr=False)
+
+    def __post_init__(self):
+        if not 0 <= self.draft_share <= 1 or not 0 <= self.acceptance <= 1:
+            raise ValueError("draft_share and acceptance are shares in [0, 1]")
+        if self.draft_share > 0 and not (self.lengths and all(is_int(n) and n > 0 for n in self.lengths)):
+            raise ValueError("lengths are the positive draft lengths a real run proposed")
+        self._rng = random.Random(self.seed)
+
+    @classmethod
+    def fitted(cls, proposals: list[tuple[int, int]], verified: list[tuple[int, int, int, int]], seed: int = 0):
+        """From a real run: ``proposals`` - ``(asked, proposed)`` per proposer call - and the scheduler's
+        ``verified`` record; the acceptance is the share of judged drafts kept (a draft after a rejection is not
+        judged)."""
+        if not proposals:
+            raise ValueError("no proposer call was recorded")
+        lengths = [n for _, n in proposals if n > 0]
+        judged = sum(min(a + 1, d) for _, _, d, a in verified)
+        kept = sum(a for *_, a in verified)
+        return cls(len(lengths) / len(proposals), lengths, kept / judged if judged else 0.0, seed)
+
+    def propose(self, token_ids: list[int], k: int) -> list[int]:
+        if k <= 0 or self._rng.random() >= self.draft_share:
+            return []
+        return [0] * min(k, self._rng.choice(self.lengths))  # ids are a simulation's placeholders
+
+    def accepted(self, drafted: int) -> int:
+        """How many of ``drafted`` drafts the target keeps this time."""
+        a = 0
+        while a < drafted and self._rng.random() < self.acceptance:
+            a += 1
+        return a
+
+
+@dataclass
 class Speculation:
     """How a scheduler speculates: at most ``k`` drafted tokens per decoding sequence and step, from ``propose``
     (``propose(token_ids, k) -> list of token ids``). ``vocab_size`` (set by the engine) bounds the ids a proposer
@@ -51,6 +98,14 @@ class Speculation:
     vocab_size: int | None = None
     greedy_rule: Callable | None = None  # accept(draft, targets) -> tokens; None: accept_greedy (lesson 11's 2)
     sampled_rule: Callable | None = None  # accept(draft, probs, generator) -> tokens; None: accept_sampled (3)
+    settle_rule: Callable | None = None  # settle(seq, tokens, step, manager); None: keep_verified (lesson 11's 4)
+    simulated: SimulatedDrafts | None = None  # in a simulation (no ids, no logits): who drafts and what is kept
+
+    @classmethod
+    def for_simulation(cls, k: int, drafts: SimulatedDrafts) -> "Speculation":
+        """Speculation in the accounting simulator: ``drafts`` decides each step's draft length and how much of it is
+        kept, from a real run's record."""
+        return cls(k, drafts.propose, simulated=drafts)
 
     def __post_init__(self):
         if not is_int(self.k) or self.k < 0:
@@ -106,15 +161,17 @@ def settle_drafts(
     rows each, ``logits`` None in a simulation) gets its tokens - a verifying one the drafts the target agrees with
     and the target's own next token (:func:`accept_greedy`, or :func:`accept_sampled` when it samples), stopping at
     eos or its last allowed token; then a verifying sequence's rejected drafts are rolled back: its computed count,
-    the slots past its newest token (``manager.trim``), before its full computed blocks enter the prefix cache.
+    the slots past its newest token (:func:`keep_verified`, or the learner's ``settle_rule``), before its full computed
+    blocks enter the prefix cache.
     ``spec``'s rules, where it names a learner's, decide instead. Returns ``(step, seq_id, drafted, accepted)`` per
     verifying sequence."""
     verifying = {id(s) for s in due if s.draft}
     greedy_rule = (spec and spec.greedy_rule) or accept_greedy
     sampled_rule = (spec and spec.sampled_rule) or accept_sampled
     first = [sum(counts[:j]) for j in range(len(due))]
-    if logits is None:  # a simulation: every draft kept, as if the proposer were always right
-        kept = [list(s.draft) + [None] for s in due]
+    if logits is None:  # a simulation: lengths, not ids (every draft kept unless a SimulatedDrafts says otherwise)
+        sim = spec.simulated if spec is not None else None
+        kept = [[None] * (1 + (sim.accepted(len(s.draft)) if sim and s.draft else len(s.draft))) for s in due]
     else:
         sampled_rows = {j for j, s in enumerate(due) if id(s) in verifying and s.temperature > 0}
         plain = [(j, r) for j, s in enumerate(due) for r in range(counts[j]) if j not in sampled_rows]
@@ -135,21 +192,36 @@ def settle_drafts(
                 kept.append(sampled_rule(list(s.draft), probs, s.generator))
             else:
                 kept.append(greedy_rule(list(s.draft), by_due[j]) if id(s) in verifying else by_due[j])
+    settle = (spec and spec.settle_rule) or keep_verified
     log = []
     for s, tokens in zip(due, kept):
-        drafted = len(s.draft)
-        for t in tokens:
-            s.append_token(t, step)
-            if s.is_finished:
-                break
         if id(s) in verifying:
-            log.append((step, s.seq_id, drafted, len(tokens) - 1))
-            s.num_computed = min(s.num_computed, s.len - 1)  # the rejected drafts' K/V no longer count
-            if not s.is_finished:
-                manager.trim(s.seq_id, s.len)  # the newest token keeps its slot; the rest goes back
-            manager.cache_computed(s)
+            log.append((step, s.seq_id, len(s.draft), len(tokens) - 1))
+            settle(s, list(tokens), step, manager)
+            manager.cache_computed(s)  # only now: no block holding a rejected draft is registered as full
+        else:
+            for t in tokens:
+                s.append_token(t, step)
         s.draft = []
     return log
+
+
+def keep_verified(seq: Sequence, tokens: list, step: int, manager) -> None:
+    """Settle one verifying sequence after its step (the runner computed its newest token and every draft):
+    append ``tokens`` (the kept drafts and the target's own token) in order, stopping after one that finishes the
+    request (eos, or its last allowed token - never a token past it); then roll back what the rejected drafts took:
+    the computed count (every token but the newest has its K/V; rejected drafts' K/V no longer count) and, unless it
+    finished (its blocks are freed whole), the slots past its tokens - ``manager.trim`` gives back blocks only
+    rejected drafts used, one reference each, so a block a forked sibling shares stays with it.
+
+    Invariant afterwards: ``num_computed == len - 1`` and the table holds exactly ``len`` tokens' slots."""
+    for t in tokens:
+        seq.append_token(t, step)
+        if seq.is_finished:
+            break
+    seq.num_computed = min(seq.num_computed, seq.len - 1)
+    if not seq.is_finished:
+        manager.trim(seq.seq_id, seq.len)
 
 
 def accept_greedy(draft: list[int], targets: list[int]) -> list[int]:

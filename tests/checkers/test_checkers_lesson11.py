@@ -8,7 +8,9 @@ import torch
 from helpers import rejected
 
 from lesson_utils.checks import lesson11
-from lesson_utils.serving.speculative import accept_greedy, accept_sampled, prompt_lookup
+from lesson_utils.lab.spec_math import expected_tokens_per_step, pick_k
+from lesson_utils.memory.block_table import blocks_needed
+from lesson_utils.serving.speculative import accept_greedy, accept_sampled, keep_verified, prompt_lookup
 
 pytestmark = pytest.mark.usefixtures("not_strict")
 
@@ -17,13 +19,21 @@ def test_the_references_pass():
     assert lesson11.check_prompt_lookup(prompt_lookup).passed
     assert lesson11.check_accept_greedy(accept_greedy).passed
     assert lesson11.check_accept_sampled(accept_sampled).passed
+    assert lesson11.check_keep_verified(keep_verified).passed
+    assert lesson11.check_pick_k(pick_k).passed
 
 
 def test_unsolved_exercises_say_so():
     def stub(*args):
         raise NotImplementedError
 
-    for check in (lesson11.check_prompt_lookup, lesson11.check_accept_greedy, lesson11.check_accept_sampled):
+    for check in (
+        lesson11.check_prompt_lookup,
+        lesson11.check_accept_greedy,
+        lesson11.check_accept_sampled,
+        lesson11.check_keep_verified,
+        lesson11.check_pick_k,
+    ):
         result = check(stub)
         assert not result.passed and not result.implemented
 
@@ -164,3 +174,180 @@ def returns_a_tensor(draft, probs, g):
 )
 def test_wrong_rejection_sampling_is_rejected(wrong, needle):
     assert rejected(lesson11.check_accept_sampled(wrong), needle)
+
+
+# ---- wrong rollbacks ---------------------------------------------------------------------------------------------
+def _append(seq, tokens, step):
+    for t in tokens:
+        seq.append_token(t, step)
+        if seq.is_finished:
+            break
+
+
+def keeps_the_computed_count(seq, tokens, step, manager):
+    _append(seq, tokens, step)
+    if not seq.is_finished:
+        manager.trim(seq.seq_id, seq.len)
+
+
+def counts_the_newest_as_computed(seq, tokens, step, manager):
+    _append(seq, tokens, step)
+    seq.num_computed = seq.len
+    if not seq.is_finished:
+        manager.trim(seq.seq_id, seq.len)
+
+
+def subtracts_the_rejected(seq, tokens, step, manager):
+    """Right until eos or the last allowed token cuts the kept tokens short."""
+    rejected_drafts = len(seq.draft) - (len(tokens) - 1)
+    _append(seq, tokens, step)
+    seq.num_computed -= rejected_drafts
+    if not seq.is_finished:
+        manager.trim(seq.seq_id, seq.len)
+
+
+def keeps_the_lookahead_slots(seq, tokens, step, manager):
+    _append(seq, tokens, step)
+    seq.num_computed = seq.len - 1
+
+
+def trims_the_newest_slot_too(seq, tokens, step, manager):
+    _append(seq, tokens, step)
+    seq.num_computed = seq.len - 1
+    if not seq.is_finished:
+        manager.trim(seq.seq_id, seq.len - 1)
+
+
+def adds_past_eos(seq, tokens, step, manager):
+    for t in tokens:
+        if seq.num_generated < seq.request.output_len:
+            seq.append_token(t, step)
+    seq.num_computed = seq.len - 1
+    if not seq.is_finished:
+        manager.trim(seq.seq_id, seq.len)
+
+
+def drops_the_finishing_token(seq, tokens, step, manager):
+    for t in tokens:
+        if t == seq.eos_token_id or seq.num_generated + 1 >= seq.request.output_len:
+            break
+        seq.append_token(t, step)
+    seq.num_computed = seq.len - 1
+    manager.trim(seq.seq_id, seq.len)
+
+
+def frees_blocks_by_hand(seq, tokens, step, manager):
+    _append(seq, tokens, step)
+    seq.num_computed = seq.len - 1
+    if not seq.is_finished:
+        table = manager.table_of(seq.seq_id)
+        keep = blocks_needed(seq.len, manager.block_size)
+        del table.blocks[keep:]
+        table.num_tokens = seq.len
+
+
+def allocates_afresh(seq, tokens, step, manager):
+    _append(seq, tokens, step)
+    if not seq.is_finished:
+        manager.free(seq.seq_id)
+        manager.allocate(seq)
+    seq.num_computed = seq.len - 1
+
+
+def stamps_step_zero(seq, tokens, step, manager):
+    _append(seq, tokens, 0)
+    seq.num_computed = seq.len - 1
+    if not seq.is_finished:
+        manager.trim(seq.seq_id, seq.len)
+
+
+def trims_even_when_finished(seq, tokens, step, manager):
+    """A correct variant: a finished sequence's table is freed whole anyway."""
+    _append(seq, tokens, step)
+    seq.num_computed = seq.len - 1
+    manager.trim(seq.seq_id, seq.len)
+
+
+@pytest.mark.parametrize(
+    "wrong, needle",
+    [
+        (keeps_the_computed_count, "`num_computed` came back"),
+        (counts_the_newest_as_computed, "is the newest token's computed"),
+        (subtracts_the_rejected, "`num_computed` came back"),
+        (keeps_the_lookahead_slots, "drafts the model rejected"),
+        (trims_the_newest_slot_too, "where will its K/V go"),
+        (adds_past_eos, "what happens to the tokens after it"),
+        (drops_the_finishing_token, "which did your code miss"),
+        (frees_blocks_by_hand, "never by hand"),
+        (allocates_afresh, "not the blocks the sequence had"),
+        (stamps_step_zero, "which step produced it"),
+    ],
+)
+def test_wrong_rollbacks_are_rejected(wrong, needle):
+    assert rejected(lesson11.check_keep_verified(wrong), needle)
+
+
+def test_a_rollback_that_also_trims_a_finished_sequence_passes():
+    assert lesson11.check_keep_verified(trims_even_when_finished).passed
+
+
+# ---- wrong choices of k -------------------------------------------------------------------------------------------
+def _best(a, cost, tokens=expected_tokens_per_step, index=lambda k: k + 1, start=(0, 1.0), ties=False):
+    best = start
+    for k in range(1, max(cost)):
+        s = tokens(a, k) * cost[1] / cost[index(k)]
+        if s > best[1] or (ties and s == best[1]):
+            best = (k, s)
+    return best
+
+
+def counts_only_the_drafts(a, cost):
+    return _best(a, cost, tokens=lambda a, k: expected_tokens_per_step(a, k) - 1)
+
+
+def formula_without_a_equal_1(a, cost):
+    return _best(a, cost, tokens=lambda a, k: (1 - a ** (k + 1)) / (1 - a))
+
+
+def the_largest_of_equals(a, cost):
+    return _best(a, cost, ties=True)
+
+
+def cost_of_k_tokens(a, cost):
+    return _best(a, cost, index=lambda k: k)
+
+
+def never_turns_it_off(a, cost):
+    return _best(a, cost, start=(1, expected_tokens_per_step(a, 1) * cost[1] / cost[2]))
+
+
+def ignores_the_cost(a, cost):
+    k = max(cost) - 1
+    return k, expected_tokens_per_step(a, k) * cost[1] / cost[k + 1]
+
+
+def returns_only_k(a, cost):
+    return pick_k(a, cost)[0]
+
+
+def sorts_the_costs_in_place(a, cost):
+    for n in cost:
+        cost[n] = round(cost[n], 1)
+    return pick_k(a, cost)
+
+
+@pytest.mark.parametrize(
+    "wrong, needle",
+    [
+        (counts_only_the_drafts, "is it the best"),
+        (formula_without_a_equal_1, "when every draft is kept"),
+        (the_largest_of_equals, "fewer lookahead slots"),
+        (cost_of_k_tokens, "costs what next to a decode step"),
+        (never_turns_it_off, "no speculation"),
+        (ignores_the_cost, "is it the best"),
+        (returns_only_k, "return (k, predicted speedup)"),
+        (sorts_the_costs_in_place, "changed `cost`"),
+    ],
+)
+def test_wrong_choices_of_k_are_rejected(wrong, needle):
+    assert rejected(lesson11.check_pick_k(wrong), needle)
