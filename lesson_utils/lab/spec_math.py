@@ -29,13 +29,14 @@ def predicted_speedup(a: float, k: int, verify_cost: float, decode_cost: float) 
 
 def acceptance_by_position(verified: list[tuple[int, int, int, int]], k: int) -> list[float | None]:
     """From ``scheduler.verified`` - ``(step, seq_id, drafted, accepted)`` per verification - the share of drafts
-    kept at each draft position ``1 .. k`` among verifications that drafted that far (None where none did)."""
-    reached, kept = [0] * k, [0] * k
+    kept at each draft position ``1 .. k`` among the verifications that judged that position: it drafted that far
+    and kept every draft before it (None where none did)."""
+    judged, kept = [0] * k, [0] * k
     for _, _, drafted, accepted in verified:
-        for i in range(min(drafted, k)):
-            reached[i] += 1
+        for i in range(min(drafted, accepted + 1, k)):
+            judged[i] += 1
             kept[i] += i < accepted
-    return [None if r == 0 else c / r for c, r in zip(kept, reached)]
+    return [None if j == 0 else c / j for c, j in zip(kept, judged)]
 
 
 def tokens_per_verify_step(verified: list[tuple[int, int, int, int]]) -> float:
@@ -67,6 +68,18 @@ def pick_k(a: float, cost: dict[int, float]) -> tuple[int, float]:
     return best_k, best
 
 
+def replayed_speedup(verified: list[tuple[int, int, int, int]], undrafted: int, cost: dict[int, float]) -> float:
+    """The speedup of a run's decode steps predicted from its own record instead of the independent model: every
+    verification of ``d`` drafts that kept ``a`` yields ``a + 1`` tokens for ``cost[d + 1]``, each of the ``undrafted``
+    decode steps (the proposer found nothing) one token for ``cost[1]``; plain decoding makes the same tokens at
+    ``cost[1]`` each. Prefill steps, the same with and without speculation, are left out."""
+    tokens = sum(a + 1 for *_, a in verified) + undrafted
+    seconds = sum(cost[d + 1] for _, _, d, _ in verified) + undrafted * cost[1]
+    if not seconds:
+        raise ValueError("no decode step was recorded")
+    return tokens * cost[1] / seconds
+
+
 @dataclass
 class RecordedProposer:
     """A proposer that notes every call: ``calls`` holds ``(asked, proposed)`` - the k it was given and how many
@@ -81,5 +94,21 @@ class RecordedProposer:
         return draft
 
     @property
+    def undrafted(self) -> int:
+        """Calls that proposed nothing: decode steps that were plain."""
+        return sum(1 for _, n in self.calls if n == 0)
+
+    @property
     def __name__(self) -> str:
         return getattr(self.propose, "__name__", "proposer")
+
+
+T4_BYTES_PER_S = 320e9  # a T4's memory bandwidth (datasheet; reference/paper-numbers.md)
+T4_FP16_FLOPS = 65e12  # its fp16 tensor-core peak (datasheet)
+
+
+def t4_step_roofline_s(num_params: int, tokens_fed: int) -> tuple[float, float]:
+    """A prediction, not a measurement: the time a step feeding ``tokens_fed`` tokens needs on a T4 to read every
+    fp16 weight once and to do the weights' multiply-adds (2 FLOPs per parameter per token), at the datasheet's
+    peaks. The step takes at least the larger; launches, attention and Python are left out."""
+    return 2 * num_params / T4_BYTES_PER_S, 2 * num_params * tokens_fed / T4_FP16_FLOPS

@@ -5,9 +5,14 @@ import random
 import pytest
 
 from lesson_utils.lab.spec_math import (
+    RecordedProposer,
     acceptance_by_position,
+    acceptance_rate,
     expected_tokens_per_step,
+    pick_k,
     predicted_speedup,
+    replayed_speedup,
+    t4_step_roofline_s,
     tokens_per_verify_step,
 )
 
@@ -35,7 +40,49 @@ def test_the_speedup_and_its_refusals():
 
 def test_acceptance_is_counted_by_position():
     verified = [(0, 1, 3, 3), (0, 2, 3, 1), (1, 1, 2, 0), (2, 2, 0, 0)]
-    assert acceptance_by_position(verified, 4) == [2 / 3, 1 / 3, 1 / 2, None]
+    # position 2 is judged only where position 1 was kept; position 3 only where 1 and 2 were
+    assert acceptance_by_position(verified, 4) == [2 / 3, 1 / 2, 1.0, None]
     assert tokens_per_verify_step(verified) == pytest.approx((4 + 2 + 1 + 1) / 4)
     with pytest.raises(ValueError, match="no verification was recorded"):
         tokens_per_verify_step([])
+
+
+def test_the_acceptance_rate_counts_only_judged_drafts():
+    verified = [(0, 1, 3, 3), (0, 2, 3, 1), (1, 1, 2, 0)]  # judged 3, 2 and 1 drafts; kept 3, 1, 0
+    assert acceptance_rate(verified) == pytest.approx(4 / 6)
+    with pytest.raises(ValueError, match="no draft was judged"):
+        acceptance_rate([])
+
+
+def test_pick_k_takes_the_best_predicted_speedup_and_the_smallest_of_equals():
+    cost = {1: 1.0, 2: 1.2, 3: 1.4, 4: 1.6, 5: 1.8}
+    k, s = pick_k(0.5, cost)
+    speedups = {k: expected_tokens_per_step(0.5, k) / cost[k + 1] for k in range(1, 5)}
+    assert k == max(speedups, key=speedups.get) and s == pytest.approx(speedups[k])
+    assert pick_k(0.0, {1: 1.0, 2: 1.0, 3: 1.0}) == (0, 1.0)  # nothing kept: speculation cannot pay
+    assert pick_k(1.0, {1: 1.0, 2: 1.0, 3: 1.0}) == (2, 3.0)  # every draft kept, free: the most drafts
+    assert pick_k(0.9, {1: 1.0}) == (0, 1.0)  # only a decode step measured
+
+
+def test_a_replayed_speedup_uses_the_runs_own_drafts():
+    cost = {1: 1.0, 2: 2.0, 3: 2.0}
+    # one verification of 2 drafts keeping 1 (2 tokens for 2.0), two undrafted steps (1 token for 1.0 each)
+    assert replayed_speedup([(0, 1, 2, 1)], 2, cost) == pytest.approx(4 / 4.0)
+    assert replayed_speedup([(0, 1, 1, 1)], 0, cost) == pytest.approx(2 / 2.0)
+    with pytest.raises(ValueError):
+        replayed_speedup([], 0, cost)
+
+
+def test_a_recorded_proposer_notes_every_call_and_keeps_its_name():
+    def lookup(ids, k):
+        return ids[:k]
+
+    rec = RecordedProposer(lookup)
+    assert rec([5, 6, 7], 2) == [5, 6] and rec([], 3) == []
+    assert rec.calls == [(2, 2), (3, 0)] and rec.undrafted == 1 and rec.__name__ == "lookup"
+
+
+def test_the_t4_roofline_is_read_bound_for_a_small_model_at_few_tokens():
+    read_s, math_s = t4_step_roofline_s(125_000_000, 9)
+    assert read_s == pytest.approx(2 * 125e6 / 320e9) and math_s == pytest.approx(2 * 125e6 * 9 / 65e12)
+    assert math_s < read_s

@@ -18,8 +18,16 @@ from lesson_utils.cache.triton_paged import TritonPagedKVCache, UnifiedTritonKVC
 from lesson_utils.memory.block_manager import BlockManager
 from lesson_utils.memory.sharing import SharingBlockManager
 from lesson_utils.memory.swap import SwapSpace
+from lesson_utils.serving.draft_model import DraftModelProposer
 from lesson_utils.serving.engine import Engine
-from lesson_utils.serving.speculative import Speculation, accept_greedy, accept_sampled, prompt_lookup
+from lesson_utils.serving.speculative import (
+    SimulatedDrafts,
+    Speculation,
+    accept_greedy,
+    accept_sampled,
+    keep_verified,
+    prompt_lookup,
+)
 from lesson_utils.serving.token_budget import ChunkedPrefill
 
 
@@ -286,3 +294,153 @@ def test_a_k_the_token_budget_cannot_hold_is_refused(tiny):
     with pytest.raises(ValueError, match="over the token budget of 3"):
         Engine(w, PagedKVCache.for_model(w, 20, 4), max_num_batched_tokens=3, speculation=Speculation(3))
     Engine(w, PagedKVCache.for_model(w, 20, 4), chunked_prefill=ChunkedPrefill(5), speculation=Speculation(4))
+
+
+# ---- the learner's rollback in the engine, and speculation in the simulator ------------------------------------
+def test_the_engine_settles_verifications_with_the_learners_rollback(tiny):
+    _, w = tiny
+    calls = []
+
+    def settle(seq, tokens, step, manager):
+        calls.append((seq.seq_id, list(tokens)))
+        keep_verified(seq, tokens, step, manager)
+
+    prompts = _prompts(w)
+    want = Engine(w, PagedKVCache.for_model(w, 60, 4), stop_at_eos=False).generate(prompts, 10)
+    engine = Engine(
+        w, PagedKVCache.for_model(w, 60, 4), stop_at_eos=False, speculation=Speculation(3, settle_rule=settle)
+    )
+    assert engine.generate(prompts, 10) == want and _all_free(engine)
+    assert len(calls) == len(engine.scheduler.verified) > 0  # once per verification, never for a plain decode
+
+
+def test_simulated_drafts_fitted_to_a_record_draft_and_keep_at_its_rates():
+    proposals = [(4, 0)] * 25 + [(4, 2)] * 50 + [(4, 4)] * 25  # drafts in 75 % of the calls
+    verified = [(0, 1, 2, 1)] * 50 + [(0, 1, 4, 0)] * 25  # judged 2 and 1 drafts: 50 kept of 125
+    d = SimulatedDrafts.fitted(proposals, verified, seed=3)
+    assert d.draft_share == pytest.approx(0.75) and d.acceptance == pytest.approx(50 / 125)
+    assert sorted(set(d.lengths)) == [2, 4]
+    drafted = [len(d.propose([], 3)) for _ in range(4000)]
+    assert abs(sum(n > 0 for n in drafted) / 4000 - 0.75) < 0.03 and max(drafted) == 3  # cut to what is asked
+    kept = [d.accepted(1) for _ in range(4000)]
+    assert abs(sum(kept) / 4000 - 0.4) < 0.03
+    assert d.propose([], 0) == [] and d.accepted(0) == 0
+    with pytest.raises(ValueError, match="shares"):
+        SimulatedDrafts(1.5, [1], 0.5)
+    with pytest.raises(ValueError, match="lengths"):
+        SimulatedDrafts(0.5, [], 0.5)
+
+
+def test_a_simulated_speculating_server_serves_every_token_in_fewer_steps():
+    from lesson_utils.lab import workloads
+    from lesson_utils.serving import simulator
+    from lesson_utils.serving.cost_model import StepCost
+    from lesson_utils.serving.scheduler import FCFSScheduler
+
+    requests = workloads.sharegpt_like(30, 4.0, seed=0, scale=0.0625)
+    cost = StepCost(0.05, 0.004, 0.001, 1e-6)
+    results = {}
+    for name, drafts in {"plain": None, "always kept": SimulatedDrafts(1.0, [3], 1.0), "never": None}.items():
+        m = BlockManager(200, 8)
+        spec = None if drafts is None else Speculation.for_simulation(3, drafts)
+        if name == "never":
+            spec = Speculation.for_simulation(3, SimulatedDrafts(1.0, [3], 0.0))
+        sched = FCFSScheduler(m, speculation=spec)
+        res = simulator.simulate(requests, m, scheduler=sched, step_cost=cost, progress=False)
+        assert sorted(s.num_generated for s in res.finished) == sorted(r.output_len for r in requests)
+        assert m.num_free_blocks == 200
+        results[name] = (len(res.steps), res.normalized_latency(), sched.verified)
+    assert results["always kept"][0] < results["plain"][0]  # up to 4 tokens a step
+    assert all(a == d for *_, d, a in results["always kept"][2])
+    assert results["never"][2] and all(a == 0 for *_, a in results["never"][2])  # one token a verification
+    assert results["never"][1] > results["plain"][1]  # ... at a higher cost per step
+
+
+# ---- the draft-model proposer ------------------------------------------------------------------------------------
+def _draft_engine(w, num_blocks=40, **kw):
+    manager = SharingBlockManager(num_blocks, 4, enable_prefix_caching=True)
+    return Engine(w, PagedKVCache.for_model(w, manager=manager), stop_at_eos=False, **kw)
+
+
+def _other_tiny(seed=5):
+    """A second tiny OPT of the same vocabulary with other random weights (and one layer): a different draft."""
+    from lesson_utils.core.env import Profile
+    from lesson_utils.model.loading import load_model
+    from lesson_utils.model.opt_forward import OPTWeights
+
+    lm = load_model(profile=Profile(name="ci", device="cpu", device_name="test"), seed=seed)
+    return OPTWeights.from_hf(lm.model)
+
+
+def test_the_target_drafting_for_itself_has_every_draft_kept(tiny):
+    _, w = tiny
+    prompts = _prompts(w)
+    want = Engine(w, PagedKVCache.for_model(w, 60, 4), stop_at_eos=False).generate(prompts, 12)
+    draft = DraftModelProposer(_draft_engine(w), vocab_size=w.vocab_size)
+    engine = Engine(w, PagedKVCache.for_model(w, 60, 4), stop_at_eos=False, speculation=Speculation(4, draft))
+    assert engine.generate(prompts, 12) == want and _all_free(engine)
+    verified = engine.scheduler.verified
+    assert verified and all(a == d for *_, d, a in verified)  # the same model: every draft is what it would say
+    assert not draft.engine.manager.tables_now()  # the draft engine holds no table between calls
+    assert draft.engine.manager.cached_prompt_tokens > 0  # later calls found their context's blocks by hash
+
+
+def test_another_draft_model_keeps_greedy_identity_and_leaks_nothing(tiny):
+    _, w = tiny
+    prompts = _prompts(w)
+    want = Engine(w, PagedKVCache.for_model(w, 60, 4), stop_at_eos=False).generate(prompts, 12)
+    draft = DraftModelProposer(_draft_engine(_other_tiny()), vocab_size=w.vocab_size)
+    for k in (1, 3):
+        engine = Engine(w, PagedKVCache.for_model(w, 60, 4), stop_at_eos=False, speculation=Speculation(k, draft))
+        assert engine.generate(prompts, 12) == want and _all_free(engine)
+    assert draft.calls > 0 and draft.drafted > 0
+
+
+def test_a_draft_engine_that_cannot_serve_as_one_is_refused(tiny):
+    _, w = tiny
+    with pytest.raises(ValueError, match="must not speculate"):
+        DraftModelProposer(_draft_engine(w, speculation=Speculation(2)))
+    with pytest.raises(ValueError, match="stop_at_eos=False"):
+        DraftModelProposer(Engine(w, PagedKVCache.for_model(w, manager=SharingBlockManager(20, 4))))
+    with pytest.raises(ValueError, match="tokenizer"):
+        DraftModelProposer(_draft_engine(w), vocab_size=w.vocab_size + 1)
+    with pytest.raises(ValueError, match="prefix caching"):
+        DraftModelProposer(Engine(w, PagedKVCache.for_model(w, 20, 4), stop_at_eos=False))
+    draft = DraftModelProposer(_draft_engine(w))
+    assert draft([5, 6], 0) == [] and draft([5] * w.max_positions, 3) == []  # nothing asked, or no room left
+
+
+def test_the_draft_model_run_splits_one_budget_and_checks_identity(tiny):
+    from lesson_utils.lab.draft_run import kv_bytes_per_block, run_draft_model, split_budget
+
+    _, w = tiny
+    other = _other_tiny()
+    per_block = kv_bytes_per_block(w, 4, 4)
+    assert per_block == 2 * w.num_layers * w.num_kv_heads * w.head_dim * 4 * 4
+    target, draft = split_budget(w, other, 80 * per_block, 0.25, 4, 4)
+    assert target == 60 and draft * kv_bytes_per_block(other, 4, 4) <= 20 * per_block
+    with pytest.raises(ValueError, match="share"):
+        split_budget(w, other, 80 * per_block, 1.0, 4, 4)
+    with pytest.raises(ValueError, match="without a single block"):
+        split_budget(w, other, per_block, 0.25, 4, 4)
+    run = run_draft_model(
+        w, w, _prompts(w, n=2), 8, 3, budget_bytes=80 * per_block, dtype_bytes=4, block_size=4, repeats=1
+    )
+    assert run.identical and run.all_free and run.target_blocks == 60
+    assert all(r in (None, 1.0) for r in run.kept_by_position)  # drafting for itself: every draft kept
+    assert run.tokens_per_verify_step > 2
+    assert run.speedup().median > 0
+
+
+@pytest.mark.parametrize("kind", ["prefix cache", "recompute", "swap", "chunked (gather)", "int8"])
+def test_a_draft_model_keeps_greedy_identity_on_every_engine_kind(tiny, kind):
+    _, w = tiny
+    prompts, make = _prompts(w), _kinds(w)[kind]
+    want = make(stop_at_eos=False).generate(prompts, 12)
+    draft = DraftModelProposer(_draft_engine(_other_tiny()), vocab_size=w.vocab_size)
+    for k in (2, 6):
+        engine = make(stop_at_eos=False, speculation=Speculation(k, draft))
+        assert engine.generate(prompts, 12) == want, (kind, k)
+        assert _all_free(engine) and not draft.engine.manager.tables_now()
+        if kind in ("recompute", "swap"):
+            assert engine.scheduler.num_preemptions > 0
