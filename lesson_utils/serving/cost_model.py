@@ -27,28 +27,48 @@ FEATURES = ("fixed", "per decode", "per prefill token", "per context token")
 
 @dataclass(frozen=True)
 class StepWork:
-    """The work of one step: sequences that decoded one token, prompt tokens fed, and K/V tokens attended over
-    (summed over the step's sequences, their new tokens included)."""
+    """The work of one step: sequences that decoded (one newest token each), prompt tokens fed, K/V tokens attended
+    over (summed over the step's sequences, their new tokens included), and lesson 11's drafted tokens fed after the
+    newest tokens of verifying sequences (0 without speculation)."""
 
     decodes: int
     prefill_tokens: int
     context_tokens: int
+    drafted: int = 0
 
     @classmethod
     def of_plan(cls, plan) -> "StepWork":
         """The work of a :class:`~lesson_utils.serving.scheduler.StepPlan` once it has run (each scheduled
         sequence's ``num_computed`` then counts the tokens its last token attended over)."""
         fed = sum(plan.num_tokens)
-        return cls(fed - plan.prefill_tokens, plan.prefill_tokens, sum(s.num_computed for s in plan.scheduled))
+        drafted = sum(n - 1 for n in plan.sample_counts)  # a sampler's logits rows beyond its first: its drafts
+        return cls(
+            fed - plan.prefill_tokens - drafted,
+            plan.prefill_tokens,
+            sum(s.num_computed for s in plan.scheduled),
+            drafted,
+        )
 
     def features(self) -> np.ndarray:
-        """Lesson 07's features (:class:`StepCost`)."""
-        return np.array([1.0, self.decodes, self.prefill_tokens, self.context_tokens])
+        """Lesson 07's features (:class:`StepCost`): a drafted token counts as a decode."""
+        return np.array([1.0, self.decodes + self.drafted, self.prefill_tokens, self.context_tokens])
+
+    @property
+    def rows(self) -> int:
+        """Tokens the step feeds the model: the rows of its matrix products."""
+        return self.decodes + self.drafted + self.prefill_tokens
+
+    def verify_features(self) -> np.ndarray:
+        """Lesson 11's features (:class:`VerifyCost`): drafted tokens apart from the decodes, and whether the step
+        feeds more than one row."""
+        return np.array(
+            [1.0, self.decodes, self.drafted, self.prefill_tokens, self.context_tokens, float(self.rows > 1)]
+        )
 
     def chunk_features(self) -> np.ndarray:
         """Lesson 08's features (:class:`ChunkCost`)."""
-        tokens = self.decodes + self.prefill_tokens
-        return np.array([1.0, self.decodes, self.prefill_tokens, tokens * tokens])
+        tokens = self.decodes + self.drafted + self.prefill_tokens
+        return np.array([1.0, self.decodes + self.drafted, self.prefill_tokens, tokens * tokens])
 
 
 def _nonnegative_least_squares(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -76,16 +96,18 @@ def _fit(a: np.ndarray, seconds) -> tuple[np.ndarray, float]:
     if len(a) != len(y):
         raise ValueError(f"{len(a)} steps of work but {len(y)} timings")
     if len(y) < a.shape[1]:
-        raise ValueError(f"fitting four coefficients needs at least four measured steps, got {len(y)}")
+        raise ValueError(f"fitting {a.shape[1]} coefficients needs at least {a.shape[1]} measured steps, got {len(y)}")
     x = _nonnegative_least_squares(a, y)
     err = np.abs(a @ x - y) / np.maximum(y, 1e-12)
     return x, float(np.median(err))
 
 
 class _LinearCost:
-    """What both cost models share: seconds = their four coefficients (the dataclass's first four fields) dotted
-    with ``_features(work)``, fitted by non-negative least squares. A subclass is a frozen dataclass with those
-    four fields, then ``num_steps`` and ``median_error``, and names its features."""
+    """What the cost models share: seconds = their ``num_coefficients`` coefficients (the dataclass's first fields)
+    dotted with ``_features(work)``, fitted by non-negative least squares. A subclass is a frozen dataclass with
+    those fields, then ``num_steps`` and ``median_error``, and names its features."""
+
+    num_coefficients = 4
 
     @staticmethod
     def _features(work: StepWork) -> np.ndarray:  # pragma: no cover - every subclass names its own
@@ -95,12 +117,14 @@ class _LinearCost:
         return float(self.coefficients() @ self._features(work))
 
     def coefficients(self) -> np.ndarray:
-        return np.array([getattr(self, f.name) for f in fields(self)[:4]])
+        return np.array([getattr(self, f.name) for f in fields(self)[: self.num_coefficients]])
 
     @classmethod
     def fit(cls, works: list[StepWork], seconds: list[float]):
-        """The least-squares fit (no coefficient negative) to measured steps; needs at least four."""
-        x, err = _fit(np.stack([cls._features(w) for w in works]) if works else np.zeros((0, 4)), seconds)
+        """The least-squares fit (no coefficient negative) to measured steps; needs at least as many as it has
+        coefficients."""
+        n = cls.num_coefficients
+        x, err = _fit(np.stack([cls._features(w) for w in works]) if works else np.zeros((0, n)), seconds)
         return cls(*map(float, x), num_steps=len(works), median_error=err)
 
 
@@ -149,6 +173,35 @@ class ChunkCost(_LinearCost):
             f"{self.fixed_s * 1e3:.1f} ms + {self.per_decode_s * 1e3:.2f} ms per decode + "
             f"{self.per_prompt_token_s * 1e3:.3f} ms per prompt token + {self.per_token_squared_s * 1e6:.3f} µs x "
             f"(tokens in the step)² (fitted to {self.num_steps} steps; median step error {100 * self.median_error:.0f} %)"
+        )
+
+
+@dataclass(frozen=True)
+class VerifyCost(_LinearCost):
+    """Lesson 11's step cost: lesson 07's model with drafted tokens priced apart from the sequences that decode, and
+    a step that feeds more than one row priced apart from a one-row step. On a CPU a one-row step runs its weights
+    as matrix-vector products and any more rows as matrix-matrix ones, which cost a step-sized jump more (lesson 11
+    measures it: a 2-token step costs about twice a 1-token one); on a GPU the fit leaves that coefficient near 0."""
+
+    fixed_s: float
+    per_decode_s: float
+    per_draft_token_s: float
+    per_prefill_token_s: float
+    per_context_token_s: float
+    multi_row_s: float
+    num_steps: int = 0
+    median_error: float = float("nan")
+
+    num_coefficients = 6
+    _features = staticmethod(StepWork.verify_features)
+
+    def describe(self) -> str:
+        return (
+            f"{self.fixed_s * 1e3:.1f} ms + {self.per_decode_s * 1e3:.2f} ms per decode + "
+            f"{self.per_draft_token_s * 1e3:.2f} ms per drafted token + {self.per_prefill_token_s * 1e3:.3f} ms per "
+            f"prompt token + {self.per_context_token_s * 1e6:.2f} µs per context token + {self.multi_row_s * 1e3:.1f} "
+            f"ms for a step of more than one row (fitted to {self.num_steps} steps; median step error "
+            f"{100 * self.median_error:.0f} %)"
         )
 
 

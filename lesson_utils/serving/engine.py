@@ -83,15 +83,16 @@ class StepStats:
     kv_tokens: int = 0  # slots holding token states after the step
     kv_slots: int = 0  # the whole KV budget, in slots
     t: float = 0.0  # time.perf_counter() at the end of the step
-    tokens: int = 0  # tokens the model computed this step (prompt tokens and decodes)
+    tokens: int = 0  # tokens the model computed this step (prompt tokens, decodes and drafts)
     decodes: int = 0  # sequences that decoded one token
     context_tokens: int = 0  # K/V tokens attended over, summed over the step's sequences
     kv_held: int = 0  # slots held or reserved for sequences after the step (token states included)
+    drafted: int = 0  # lesson 11: draft tokens fed after verifying sequences' newest tokens
 
     @property
     def work(self) -> StepWork:
         """What the step computed, as the cost model sees it."""
-        return StepWork(self.decodes, self.prefill_tokens, self.context_tokens)
+        return StepWork(self.decodes, self.prefill_tokens, self.context_tokens, self.drafted)
 
 
 def _positive_int(value, what: str) -> int:
@@ -268,10 +269,11 @@ class Engine:
                 br[SlotKind.TOKEN],
                 sum(br.values()),
                 now,
-                work.decodes + work.prefill_tokens,
+                work.decodes + work.prefill_tokens + work.drafted,
                 work.decodes,
                 work.context_tokens,
                 sum(br.values()) - br[SlotKind.FREE],
+                work.drafted,
             )
         )
 

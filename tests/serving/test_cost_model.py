@@ -68,7 +68,7 @@ def test_no_coefficient_is_negative():
 
 
 def test_fit_refuses_too_little_or_mismatched_data():
-    with pytest.raises(ValueError, match="at least four"):
+    with pytest.raises(ValueError, match="at least 4 measured steps"):
         StepCost.fit([StepWork(1, 0, 1)] * 3, [0.1] * 3)
     with pytest.raises(ValueError, match="timings"):
         StepCost.fit([StepWork(1, 0, 1)] * 5, [0.1] * 4)
@@ -151,3 +151,32 @@ def test_offline_sweep_stream_replace():
     reqs = workloads.sharegpt_like(5, rate_per_s=3, seed=1)
     off = [replace(r, arrival_s=0.0) for r in reqs]
     assert [r.prompt_len for r in off] == [r.prompt_len for r in reqs] and all(r.arrival_s == 0 for r in off)
+
+
+def test_a_verify_cost_recovers_drafts_and_the_multi_row_jump():
+    from lesson_utils.serving.cost_model import VerifyCost
+
+    rng = np.random.default_rng(3)
+    truth = VerifyCost(0.05, 0.004, 0.002, 0.0015, 2e-6, 0.04)
+    works = [StepWork(int(d), int(p), int(c), int(k)) for d, p, c, k in rng.integers(0, 30, (60, 4))]
+    works += [StepWork(1, 0, 20, 0)] * 3 + [StepWork(1, 0, 21, 1)] * 3  # batch 1: a decode, and a 1-draft verify
+    fit = VerifyCost.fit(works, [truth(w) for w in works])
+    assert np.allclose(fit.coefficients(), truth.coefficients(), rtol=1e-6, atol=1e-9)
+    assert fit(StepWork(1, 0, 21, 1)) - fit(StepWork(1, 0, 20, 0)) == pytest.approx(0.04 + 0.002 + 2e-6)
+    assert "more than one row" in fit.describe() and fit.num_steps == 66
+
+
+def test_a_speculative_plan_counts_its_drafts_apart_from_its_decodes():
+    from lesson_utils.serving.speculative import SimulatedDrafts, Speculation
+
+    mgr = BlockManager(64, 4)
+    sch = FCFSScheduler(mgr, speculation=Speculation.for_simulation(3, SimulatedDrafts(1.0, [3], 0.0)))
+    for i, n in enumerate((3, 6)):
+        sch.add(Sequence(Request(i, 0.0, n, 8)))
+    runner = simulator.AccountingRunner()
+    for step in range(3):
+        plan = sch.schedule(step)
+        sch.update_from_output(plan, runner.execute(plan))
+    work = StepWork.of_plan(plan)  # step 2: both verify 3 drafts after their newest token
+    assert (work.decodes, work.drafted, work.prefill_tokens) == (2, 6, 0) and work.rows == 8
+    assert list(work.features())[:3] == [1.0, 8, 0]  # lesson 07's model: a draft counts as a decode
