@@ -88,6 +88,7 @@ class StepStats:
     context_tokens: int = 0  # K/V tokens attended over, summed over the step's sequences
     kv_held: int = 0  # slots held or reserved for sequences after the step (token states included)
     drafted: int = 0  # lesson 11: draft tokens fed after verifying sequences' newest tokens
+    planned_held: int = 0  # slots held or reserved while the step ran (lesson 11's lookahead slots included)
 
     @property
     def work(self) -> StepWork:
@@ -274,6 +275,7 @@ class Engine:
                 work.context_tokens,
                 sum(br.values()) - br[SlotKind.FREE],
                 work.drafted,
+                plan.held_slots,
             )
         )
 

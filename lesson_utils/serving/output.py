@@ -36,6 +36,7 @@ class StepPlan:
     # tokens each may produce (one; a sequence verifying k drafted tokens would produce up to k + 1)
     sampling: list[int] = field(default_factory=list)
     sample_counts: list[int] = field(default_factory=list)
+    held_slots: int = 0  # slots held or reserved once room was made, before the step runs (lookahead included)
 
     def tokens_to_feed(self) -> list[int]:
         """How many tokens each scheduled sequence feeds this step."""

@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections import deque
 from typing import Callable
 
-from lesson_utils.core.types import MemoryManager, OutOfBlocks, Sequence, SequenceStatus, is_int
+from lesson_utils.core.types import MemoryManager, OutOfBlocks, Sequence, SequenceStatus, SlotKind, is_int
 from lesson_utils.serving.output import StepPlan
 from lesson_utils.serving.preemption import (
     PreemptionEvent,
@@ -247,7 +247,13 @@ class FCFSScheduler(SettlesSteps):
             sum(end - start for s, start, end in kept if not (start == s.len - 1 and s.num_generated)),
             sampling,
             [1 + len(kept[i][0].draft) for i in sampling],
+            self._held_slots(),
         )
+
+    def _held_slots(self) -> int:
+        """Slots the memory manager holds or reserves now (every kind but free)."""
+        br = self.manager.breakdown()
+        return sum(br.values()) - br[SlotKind.FREE]
 
     def _draft(self) -> None:
         """Lesson 11: each decoding sequence's draft for this step, within the token budget left after one token

@@ -174,6 +174,9 @@ def test_a_rollback_gives_back_the_blocks_only_rejected_drafts_used(tiny):
         peak = max(peak, 40 - engine.manager.num_free_blocks)
     assert _all_free(engine) and seq.num_generated == 9
     assert peak >= -(-(3 + 1 + 6) // 4)  # a step held the newest token's slot and six drafted ones
+    # the engine's records see the lookahead while a step runs, and not after it
+    assert any(s.planned_held > s.kv_held for s in engine.stats)
+    assert max(s.planned_held for s in engine.stats) >= 4 * -(-(3 + 1 + 6) // 4)
 
 
 def test_eos_inside_an_accepted_draft_ends_the_request_there(tiny):
