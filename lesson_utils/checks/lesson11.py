@@ -40,6 +40,11 @@ def _lookup_hint(case, expected, got) -> str:
         return f"at most k = {k} tokens"
     if expected and not got:
         return "the context's last tokens do occur earlier: what followed them there?"
+    if got and got == expected[: len(got)]:
+        return (
+            f"you returned {len(got)} of the {len(expected)} tokens that follow the match: may the continuation run "
+            "into the tail you matched?"
+        )
     if got and not expected:
         return "does the context's last token occur anywhere before it?"
     return "with several earlier matches, which one does prompt lookup use? And which match length is tried first?"
@@ -106,9 +111,12 @@ def _sample_many(fn, draft: list[int], probs: torch.Tensor, seed: int):
     g = torch.Generator().manual_seed(seed)
     counts = torch.zeros(len(draft) + 1, len(_P))
     for _ in range(_TRIALS):
-        out, err = call_learner(fn, list(draft), probs.clone(), g)
+        given = probs.clone()
+        out, err = call_learner(fn, list(draft), given, g)
         if err is not None:
             return None, f"raised {type(err).__name__}: {err}"
+        if not torch.equal(given, probs):
+            return None, "changed `probs`; it must leave the target's probabilities as they were"
         if not isinstance(out, list) or not out or not all(is_int(t) and 0 <= t < len(_P) for t in out):
             return None, f"returned {short(out)}: a non-empty list of token ids (0 .. {len(_P) - 1})"
         if len(out) > len(draft) + 1:
@@ -142,6 +150,21 @@ def check_accept_sampled(fn) -> CheckResult:
     if err is None and not torch.equal(probs, before):
         return failed(
             name, "your code changed `probs`; it must leave the target's probabilities as they were", accept_sampled
+        )
+    runs = []
+    for _ in range(2):  # the same seed twice: the same tokens, or the generator given was not the one used
+        g = torch.Generator().manual_seed(7)
+        try:
+            runs.append([short(call_learner(fn, [1, 3], _ROWS.clone(), g)[0]) for _ in range(20)])
+        except NotImplementedError:
+            return not_implemented(name, accept_sampled)
+    if runs[0] != runs[1]:
+        return failed(
+            name,
+            "called twice with generators seeded alike, your code returned different tokens: draw every random "
+            "number from the `generator` given (torch.rand(1, generator=generator), torch.multinomial(..., "
+            "generator=generator)), so each sequence's sampling is reproducible from its own seed",
+            accept_sampled,
         )
     for x in (1, 2):  # a likely draft token and an unlikely one
         try:

@@ -181,7 +181,8 @@ class VerifyCost(_LinearCost):
     """Lesson 11's step cost: lesson 07's model with drafted tokens priced apart from the sequences that decode, and
     a step that feeds more than one row priced apart from a one-row step. On a CPU a one-row step runs its weights
     as matrix-vector products and any more rows as matrix-matrix ones, which cost a step-sized jump more (lesson 11
-    measures it: a 2-token step costs about twice a 1-token one); on a GPU the fit leaves that coefficient near 0."""
+    measures it: on 2 CPU cores a 2-token step cost 1.7-1.8x a 1-token one); where one row costs what two do the fit
+    leaves that coefficient near 0."""
 
     fixed_s: float
     per_decode_s: float

@@ -351,3 +351,32 @@ def sorts_the_costs_in_place(a, cost):
 )
 def test_wrong_choices_of_k_are_rejected(wrong, needle):
     assert rejected(lesson11.check_pick_k(wrong), needle)
+
+
+def uses_the_global_generator(draft, probs, g):
+    return accept_sampled(draft, probs, None)
+
+
+def changes_probs_only_on_rejection(draft, probs, g):
+    out = accept_sampled(draft, probs, g)
+    if len(out) <= len(draft) and out[-1] != draft[len(out) - 1]:
+        probs[len(out) - 1, draft[len(out) - 1]] = 0  # an in-place residual
+    return out
+
+
+def test_a_sampler_that_ignores_its_generator_or_edits_probs_later_is_rejected():
+    assert rejected(lesson11.check_accept_sampled(uses_the_global_generator), "generators seeded alike")
+    assert rejected(lesson11.check_accept_sampled(changes_probs_only_on_rejection), "changed `probs`")
+
+
+def cuts_the_continuation_at_the_tail(ids, k):
+    out = prompt_lookup(ids, k)
+    for n in range(min(3, len(ids) - 1), 0, -1):
+        for start in range(len(ids) - n - 1, -1, -1):
+            if ids[start : start + n] == ids[-n:]:
+                return out[: max(0, len(ids) - n - (start + n))] if out else out
+    return out
+
+
+def test_a_continuation_cut_at_the_tail_gets_its_own_hint():
+    assert rejected(lesson11.check_prompt_lookup(cuts_the_continuation_at_the_tail), "run into the tail")
