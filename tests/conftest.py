@@ -13,6 +13,24 @@ torch.set_num_threads(1)
 
 import pytest  # noqa: E402
 
+# The longest test files, in the order they should start. pytest-xdist's loadfile scheduling hands out whole files
+# in collection order (pyproject.toml turns its reordering by test count off), one per free worker: the solutions'
+# notebooks go to one worker and the students' to the other at once, the disaggregated workers' tests to whichever
+# frees first, and the many short files fill in behind them - instead of the long files starting last.
+LONGEST_FIRST = (
+    "tests/notebooks/test_notebooks.py",
+    "tests/checkers/test_check_verdicts.py",
+    "tests/disagg/test_disagg.py",
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    def rank(item) -> int:
+        path = item.nodeid.split("::", 1)[0]
+        return LONGEST_FIRST.index(path) if path in LONGEST_FIRST else len(LONGEST_FIRST)
+
+    items.sort(key=rank)  # stable: every file keeps its own order
+
 
 @pytest.fixture
 def not_strict(monkeypatch):

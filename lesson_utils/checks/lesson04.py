@@ -19,6 +19,7 @@ from lesson_utils.kernels import paged_attention as K
 from .core import CheckResult, case_device, failed, not_implemented, passed
 
 PROBE_PAD = 1024  # table entries on each side of a probe's table: a wrong index reads padding, not foreign memory
+POISON = 1_000_003  # what that padding holds: a block id no table has, so a lane that read it shows in its slot
 
 
 @triton.jit
@@ -57,7 +58,8 @@ def _probe_block_slots(fn) -> str:
         g = torch.Generator().manual_seed(block_size * 100 + context_len)
         needed = -(-context_len // block_size)
         table = torch.randperm(64, generator=g)[: max(needed, 1)].to(torch.int32)
-        buffer = torch.zeros(2 * PROBE_PAD + len(table), dtype=torch.int32)
+        # the table ends exactly where the context's last block ends; past it (and before it) lies poison
+        buffer = torch.full((2 * PROBE_PAD + len(table),), POISON, dtype=torch.int32)
         buffer[PROBE_PAD : PROBE_PAD + len(table)] = table
         buffer = buffer.to(dev)
         slots = torch.zeros(tile, dtype=torch.int64, device=dev)
@@ -80,6 +82,15 @@ def _probe_block_slots(fn) -> str:
             return (
                 f"{case}: token {start + t} has mask {bool(got_mask[t])}, expected {bool(want_mask[t])} - which tokens "
                 "of the tile exist?"
+            )
+        poisoned = (~want_mask) & (got >= POISON * block_size)
+        if poisoned.any():
+            t = int(poisoned.nonzero()[0, 0])
+            entry = (start + t) // block_size
+            return (
+                f"{case}: token {start + t} does not exist (the context has {context_len} tokens), yet its lane read "
+                f"table entry {entry} of a {len(table)}-entry table - past its end (on a GPU, memory that may not "
+                "be yours). What does your block-id load read for lanes whose token does not exist?"
             )
         if not torch.equal(got[want_mask], want[want_mask]):
             t = int((got != want).logical_and(want_mask).nonzero()[0, 0])

@@ -42,7 +42,8 @@ def block_slots(block_table_row_ptr, start, context_len, TILE: tl.constexpr, BLO
     """Cache slots of the tokens ``start .. start + TILE - 1`` of one sequence, and which of them exist.
 
     Returns ``(slots, token_mask)``: ``token_mask`` is False past ``context_len``; those tokens are never
-    looked up (their logical block may lie past the end of the table) and get slot 0.
+    looked up (their logical block may lie past the end of the table: the load is masked) and get a slot in
+    block 0, which nothing reads through them.
     """
     token = start + tl.arange(0, TILE)
     token_mask = token < context_len

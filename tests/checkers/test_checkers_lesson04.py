@@ -30,6 +30,28 @@ def no_mask(block_table_row_ptr, start, context_len, TILE: tl.constexpr, BLOCK_S
 
 
 @triton.jit
+def unmasked_table_load(block_table_row_ptr, start, context_len, TILE: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+    """The right mask returned, but the block ids loaded for every lane: lanes past the context read past the
+    table's end (on a GPU, out of bounds when the row ends)."""
+    token = start + tl.arange(0, TILE)
+    token_mask = token < context_len
+    block = tl.load(block_table_row_ptr + token // BLOCK_SIZE)
+    return block * BLOCK_SIZE + token % BLOCK_SIZE, token_mask
+
+
+@triton.jit
+def float_block_index(block_table_row_ptr, start, context_len, TILE: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+    """Block and offset from a float division: exact for some block sizes, not for 6 or 12."""
+    token = start + tl.arange(0, TILE)
+    token_mask = token < context_len
+    q = token.to(tl.float32) / BLOCK_SIZE
+    logical = q.to(tl.int32)
+    offset = ((q - logical.to(tl.float32)) * BLOCK_SIZE).to(tl.int32)
+    block = tl.load(block_table_row_ptr + logical, mask=token_mask, other=0)
+    return block * BLOCK_SIZE + offset, token_mask
+
+
+@triton.jit
 def wrong_block_index(block_table_row_ptr, start, context_len, TILE: tl.constexpr, BLOCK_SIZE: tl.constexpr):
     token = start + tl.arange(0, TILE)
     token_mask = token < context_len
@@ -64,6 +86,8 @@ def test_wrong_lookups_are_rejected():
     assert rejected(lesson04.check_block_slots(logical_as_physical), "probe kernel", "got slot")
     assert rejected(lesson04.check_block_slots(no_mask), "which tokens of the tile exist")
     assert rejected(lesson04.check_block_slots(wrong_block_index), "probe kernel")
+    assert rejected(lesson04.check_block_slots(unmasked_table_load), "past its end", "lanes whose token does not exist")
+    assert rejected(lesson04.check_block_slots(float_block_index), "which logical block and offset")
 
 
 def test_wrong_softmax_updates_are_rejected():
