@@ -156,20 +156,23 @@ def check_copy_on_write(fn) -> CheckResult:
 
 
 def _cached_pool(block_size: int = 2):
-    """A pool holding cached prefixes [1,2 | 3,4 | 5,6] and [3,4 | 9,9] (the second's first block looks like
-    the first's second block, but its parent differs)."""
+    """A pool holding two cached prefixes of ``block_size``-token blocks: "a" = [1,2 | 3,4 | 5,6] and "b" =
+    [3,4 | 9,9] at block size 2 (the second's first block looks like the first's second block, but its parent
+    differs); at other sizes the same shapes with the tokens 1, 2, 3, ... cut into blocks of that size."""
     pool = BlockPool(16)
     ids = {}
-    for name, chunks in (("a", [[1, 2], [3, 4], [5, 6]]), ("b", [[3, 4], [9, 9]])):
+    a = [list(range(1 + i * block_size, 1 + (i + 1) * block_size)) for i in range(3)]
+    b = [list(a[1]), [9] * block_size]
+    for name, chunks in (("a", a), ("b", b)):
         parent = NO_PARENT
         for i, chunk in enumerate(chunks):
-            b = pool.allocate()
+            b_id = pool.allocate()
             parent = block_hash(parent, chunk)
-            pool.cache(b, parent, chunk)
-            ids[name, i] = b
-    for b in range(16):
-        if pool.ref_count[b]:
-            pool.decref(b)  # freed but still cached
+            pool.cache(b_id, parent, chunk)
+            ids[name, i] = b_id
+    for block in range(16):
+        if pool.ref_count[block]:
+            pool.decref(block)  # freed but still cached
     return pool, ids
 
 
@@ -211,10 +214,31 @@ def check_prefix_hits(fn) -> CheckResult:
     pool, ids = _cached_pool()
     pool.tokens_of[ids["a", 1]] = (7, 7)  # a hash collision stand-in: same hash, other tokens
     cases.append(("a hash whose block holds other tokens (a collision)", pool, [1, 2, 3, 4, 5, 6, 0], [ids["a", 0]]))
-    for what, pool, tokens, want in cases:
+    cases = [case + (2,) for case in cases]
+    for bs in (3, 5):  # block sizes that are not powers of two: a shift or a mask counts blocks wrongly there
+        pool, ids = _cached_pool(bs)
+        every = list(range(1, 3 * bs + 1))
+        cases.append(
+            (
+                f"blocks of {bs}: a cached prompt plus two new tokens",
+                pool,
+                every + [0, 0],
+                [ids["a", i] for i in range(3)],
+                bs,
+            )
+        )
+        pool, ids = _cached_pool(bs)
+        cases.append(
+            (f"blocks of {bs}: a prompt of exactly two cached blocks", pool, every[: 2 * bs], [ids["a", 0]], bs)
+        )
+        pool, ids = _cached_pool(bs)
+        cases.append(
+            (f"blocks of {bs}: the second block one token short", pool, every[: 2 * bs - 1], [ids["a", 0]], bs)
+        )
+    for what, pool, tokens, want, block_size in cases:
         before = _pool_state(pool)
         try:
-            got = fn(pool, tokens, 2, block_hash)
+            got = fn(pool, tokens, block_size, block_hash)
         except NotImplementedError:
             return not_implemented(name, sharing.prefix_hits)
         except Exception as err:  # noqa: BLE001
@@ -231,7 +255,7 @@ def check_prefix_hits(fn) -> CheckResult:
             )
         if list(got) != want:
             got = list(got)
-            if got[: len(want)] == want and len(got) == len(want) + 1 and len(tokens) % 2 == 0:
+            if got[: len(want)] == want and len(got) == len(want) + 1 and len(tokens) % block_size == 0:
                 hint = "one block too many, the one with the last prompt token: what does the model still need from that token?"
             elif any(b not in want for b in got):
                 hint = (
@@ -242,7 +266,7 @@ def check_prefix_hits(fn) -> CheckResult:
                 hint = "fewer hits than cached: does your walk go on while the lookups hit?"
             return failed(
                 name,
-                f"case '{what}' (block size 2, prompt {tokens})\n    expected blocks: {want}\n    got blocks:      {got}"
+                f"case '{what}' (block size {block_size}, prompt {tokens})\n    expected blocks: {want}\n    got blocks:      {got}"
                 f"\n    hint: {hint}",
                 sharing.prefix_hits,
             )

@@ -101,3 +101,23 @@ def test_prefix_hits_mistakes():
     assert rejected(lesson05.check_prefix_hits(no_parent), "different prefix", "what does each block's hash depend on")
     assert rejected(lesson05.check_prefix_hits(includes_last_token), "the one with the last prompt token")
     assert rejected(lesson05.check_prefix_hits(does_not_stop), "expected blocks")
+
+
+def counts_blocks_with_a_shift(pool, tokens, block_size, hash_fn):
+    """Full blocks counted with a shift: right for blocks of 2 (the lesson's pictures), wrong for 3 or 5."""
+    from lesson_utils.memory.sharing import NO_PARENT
+
+    full = (len(tokens) - 1) >> (block_size.bit_length() - 1)
+    hits, parent = [], NO_PARENT
+    for i in range(full):
+        chunk = tokens[i * block_size : (i + 1) * block_size]
+        parent = hash_fn(parent, chunk)
+        block = pool.lookup(parent, chunk)
+        if block is None:
+            break
+        hits.append(block)
+    return hits
+
+
+def test_a_prefix_lookup_right_only_for_powers_of_two_is_rejected():
+    assert rejected(lesson05.check_prefix_hits(counts_blocks_with_a_shift), "blocks of 3", "one block too many")
