@@ -176,9 +176,8 @@ def _cached_pool(block_size: int = 2):
     return pool, ids
 
 
-def check_prefix_hits(fn) -> CheckResult:
-    """Exercise 05-3: chained block hashes and the prefix lookup."""
-    name = "prefix_hits"
+def _prefix_cases() -> list[tuple]:
+    """``(what, pool, tokens, expected hits, block size)``: blocks of 2 (the lesson's pictures), then of 3 and 5."""
     cases = []
     pool, ids = _cached_pool()
     cases.append(
@@ -235,6 +234,13 @@ def check_prefix_hits(fn) -> CheckResult:
         cases.append(
             (f"blocks of {bs}: the second block one token short", pool, every[: 2 * bs - 1], [ids["a", 0]], bs)
         )
+    return cases
+
+
+def check_prefix_hits(fn) -> CheckResult:
+    """Exercise 05-3: chained block hashes and the prefix lookup."""
+    name = "prefix_hits"
+    cases = _prefix_cases()
     for what, pool, tokens, want, block_size in cases:
         before = _pool_state(pool)
         try:
