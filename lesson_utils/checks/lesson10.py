@@ -299,7 +299,7 @@ def check_load_int8_tile(fn, quiet: bool = False) -> CheckResult:
                 quiet,
             )
         err = float((got.float() - want.float()).abs().max() / want.float().abs().max().clamp_min(1e-6))
-        if err > 1e-3:
+        if not err <= 1e-3:  # NaN included
             return failed(
                 name,
                 f"in lesson 04's decode kernel, on ({c['shown']}): relative error {err:.3g} against dequantize-then-attend "
@@ -314,7 +314,7 @@ def check_load_int8_tile(fn, quiet: bool = False) -> CheckResult:
     want = Q.int8_unified_attention_reference(q, c["k"], c["v"], c["ks"], c["vs"], c["tables"], starts, c["lens"])
     got = int8_unified_attention(q, c["k"], c["v"], c["ks"], c["vs"], c["tables"], starts, c["lens"], 2, load_fn=fn)
     err = float((got.float() - want.float()).abs().max() / want.float().abs().max().clamp_min(1e-6))
-    if err > 1e-3:
+    if not err <= 1e-3:  # NaN included
         return failed(
             name,
             f"in lesson 08's unified kernel: relative error {err:.3g} (at most 1e-3 expected)",

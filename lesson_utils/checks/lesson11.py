@@ -244,7 +244,7 @@ def check_pick_k(fn) -> CheckResult:
         if not 0 <= k < max(cost):
             return failed(name, f"{where} your k = {k} is outside 0 .. {max(cost) - 1}: which k were measured?", pick_k)
         theirs = 1.0 if k == 0 else expected_tokens_per_step(a, k) * cost[1] / cost[k + 1]
-        if abs(float(speedup) - theirs) > 1e-6 * max(1.0, theirs):
+        if not abs(float(speedup) - theirs) <= 1e-6 * max(1.0, theirs):  # a NaN prediction fails too
             return failed(
                 name,
                 f"{where} you predict {float(speedup):.4g}x for k = {k}: a verify step of k drafts yields how many "

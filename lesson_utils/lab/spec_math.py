@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
+from lesson_utils.serving.speculative import acceptance_rate  # noqa: F401 - one formula, the simulator's too
+
 
 def expected_tokens_per_step(a: float, k: int) -> float:
     """Tokens a verify step of ``k`` drafts yields on average when each draft is accepted with probability ``a``,
@@ -44,15 +46,6 @@ def tokens_per_verify_step(verified: list[tuple[int, int, int, int]]) -> float:
     if not verified:
         raise ValueError("no verification was recorded: did the engine speculate?")
     return sum(a + 1 for *_, a in verified) / len(verified)
-
-
-def acceptance_rate(verified: list[tuple[int, int, int, int]]) -> float:
-    """The share of judged drafts the target kept, over a run's verifications - the ``a`` of the independent
-    model (a draft after the first rejection is never judged, so it does not count)."""
-    judged = sum(min(a + 1, d) for _, _, d, a in verified)
-    if not judged:
-        raise ValueError("no draft was judged: did the engine speculate?")
-    return sum(a for *_, a in verified) / judged
 
 
 def pick_k(a: float, cost: dict[int, float]) -> tuple[int, float]:

@@ -40,6 +40,15 @@ def prompt_lookup(token_ids: list[int], k: int, *, max_ngram: int = 3, min_ngram
     return []
 
 
+def acceptance_rate(verified: list[tuple[int, int, int, int]]) -> float:
+    """The share of judged drafts the target kept over ``scheduler.verified`` records - the ``a`` of the independent
+    model (a draft after the first rejection is never judged, so it does not count)."""
+    judged = sum(min(a + 1, d) for _, _, d, a in verified)
+    if not judged:
+        raise ValueError("no draft was judged: did the engine speculate?")
+    return sum(a for *_, a in verified) / judged
+
+
 @dataclass
 class SimulatedDrafts:
     """A proposer and the target's verdicts, for the simulator (which has no token ids and no logits), fitted to a
@@ -69,9 +78,7 @@ class SimulatedDrafts:
         if not proposals:
             raise ValueError("no proposer call was recorded")
         lengths = [n for _, n in proposals if n > 0]
-        judged = sum(min(a + 1, d) for _, _, d, a in verified)
-        kept = sum(a for *_, a in verified)
-        return cls(len(lengths) / len(proposals), lengths, kept / judged if judged else 0.0, seed)
+        return cls(len(lengths) / len(proposals), lengths, acceptance_rate(verified) if verified else 0.0, seed)
 
     def propose(self, token_ids: list[int], k: int) -> list[int]:
         if k <= 0 or self._rng.random() >= self.draft_share:

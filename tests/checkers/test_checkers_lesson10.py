@@ -248,3 +248,14 @@ def test_a_plain_python_function_is_refused_with_the_decorator_named():
 def test_an_unsolved_loader_is_reported_as_unsolved():
     r = C.check_load_int8_tile(not_implemented_loader, quiet=True)
     assert not r.passed and not r.implemented and r.use is load_int8_tile
+
+
+@triton.jit
+def nan_tile(ptrs, scale_ptrs, mask, token_mask):
+    x = tl.load(ptrs, mask=mask, other=0).to(tl.float32)
+    s = tl.load(scale_ptrs, mask=token_mask, other=0.0)
+    return x * s[:, None] * float("nan")
+
+
+def test_a_loader_that_returns_nan_is_rejected():
+    assert rejected(C.check_load_int8_tile(nan_tile, quiet=True), "holds NaN")

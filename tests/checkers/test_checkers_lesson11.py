@@ -380,3 +380,11 @@ def cuts_the_continuation_at_the_tail(ids, k):
 
 def test_a_continuation_cut_at_the_tail_gets_its_own_hint():
     assert rejected(lesson11.check_prompt_lookup(cuts_the_continuation_at_the_tail), "run into the tail")
+
+
+def predicts_nan(a, cost):
+    return pick_k(a, cost)[0], float("nan")
+
+
+def test_a_nan_prediction_is_rejected():
+    assert rejected(lesson11.check_pick_k(predicts_nan), "you predict nan")
