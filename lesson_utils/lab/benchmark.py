@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from lesson_utils.core.types import Request
-from lesson_utils.serving.cost_model import StepCost, StepWork
+from lesson_utils.serving.cost_model import StepCostModel, StepWork
 
 
 @dataclass
@@ -360,7 +360,7 @@ def padded_rows(batches: list[list[int]], output_lens: dict[int, int]) -> tuple[
 
 
 def simulate_hf_static(
-    requests: list[Request], batch_size: int, max_positions: int, cost: StepCost
+    requests: list[Request], batch_size: int, max_positions: int, cost: StepCostModel
 ) -> dict[int, float]:
     """Static batching in a model of time: batches formed as :func:`serve_hf_static` forms them, each step costing
     what ``cost`` (fitted to HF's own measured steps) says. Returns each request's end-to-end latency (seconds)."""

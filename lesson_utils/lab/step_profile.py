@@ -12,12 +12,17 @@ prediction: :func:`profile_decode_step` checks it. It measures
   per-operator overhead.
 
 The profiler slows what it watches: shares come from the profiled steps, absolute times from the unprofiled ones.
+
+:func:`time_decode_steps` measures the other axis: a decode step of 1, 2, ... sequences, every one with the same
+context, so that what changes between the sizes is only the rows the step feeds (the jumps a row-bucket cost
+model, :class:`lesson_utils.serving.cost_model.RowBucketCost`, is fitted to).
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Any, Callable
 
 import torch
 
@@ -137,4 +142,36 @@ def profile_decode_step(engine, model: torch.nn.Module, *, repeats: int = 5, cop
         len(top) / profiled,
         launch,
         str(device),
+    )
+
+
+def time_decode_steps(
+    make_engine: Callable[[], Any],
+    prompt: list[int],
+    sizes: list[int],
+    device: torch.device | str,
+    *,
+    repeats: int = 5,
+    progress: str | None = None,
+) -> Measurement:
+    """A decode step of ``k`` sequences for every ``k`` in ``sizes`` (variant ``str(k)``), each sequence with
+    ``prompt`` as its context, on ``device``: one engine per size from ``make_engine()`` (it must hold ``max(sizes)`` sequences of
+    ``len(prompt) + repeats + 4`` tokens and decode past eos), prefilled first, then its steps timed by
+    :func:`~lesson_utils.lab.timing.measure` - warm-up, alternating order, median and spread. The contexts grow by
+    one token per step, the same for every size."""
+    if not sizes or any(not isinstance(k, int) or k < 1 for k in sizes):
+        raise ValueError(f"sizes must be positive ints, got {sizes!r}")
+    engines = {}
+    for k in sizes:
+        engine = make_engine()
+        for _ in range(k):
+            engine.add_request(list(prompt), repeats + 4)
+        while engine.scheduler.waiting or any(s.num_generated == 0 for s in engine.scheduler.running):
+            engine.step()  # admission and prefill; what follows are decode steps of all k sequences
+        if len(engine.scheduler.running) != k:
+            raise ValueError(f"the engine holds {len(engine.scheduler.running)} of {k} sequences: give it more memory")
+        engines[str(k)] = engine
+    sync = _sync(torch.device(device))
+    return measure(
+        {name: e.step for name, e in engines.items()}, repeats=repeats, warmup=1, sync=sync, progress=progress
     )

@@ -7,7 +7,10 @@ part per prompt token fed, and a part per cached token attended over. :meth:`Ste
 coefficients from a server's own measured steps (least squares, none negative); the simulator
 (:func:`lesson_utils.serving.simulator.simulate` with ``step_cost=``) then advances its clock by the modelled
 cost of each step it plans, so a rate sweep that would take hours of real serving on a CPU takes seconds -
-and says it is a model, checked against the real run at the rate that ran.
+and says it is a model, checked against the real run at the rate that ran. :class:`RowBucketCost` is the
+same model with its fixed part looked up per bucket of rows (tokens fed): on a CPU a step's time jumps with its
+row count, and lesson 07's step profile measures by how much. Anything with ``cost(work) -> seconds`` can clock the
+simulator (:class:`StepCostModel`).
 
 :class:`ChunkCost` is lesson 08's view of the same steps: ``fixed + per_decode x decodes + per_prompt_token x
 prompt tokens + per_token_squared x (tokens in the step)^2``. The squared term is there because on a CPU a
@@ -18,9 +21,12 @@ size of one step's work, not the work in total.
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from dataclasses import dataclass, fields
+from typing import Protocol
 
 import numpy as np
+from scipy.optimize import nnls
 
 FEATURES = ("fixed", "per decode", "per prefill token", "per context token")
 
@@ -72,21 +78,12 @@ class StepWork:
 
 
 def _nonnegative_least_squares(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """argmin ||a x - b|| subject to x >= 0. The optimum is the plain least-squares solution on some subset of
-    the columns that comes out non-negative; with four columns all 16 subsets are tried and the best kept."""
-    n = a.shape[1]
-    best, best_residual = np.zeros(n), float(np.sum(b**2))
-    for mask in range(1, 2**n):
-        cols = [i for i in range(n) if mask >> i & 1]
-        sol, *_ = np.linalg.lstsq(a[:, cols], b, rcond=None)
-        if (sol < 0).any():
-            continue
-        x = np.zeros(n)
-        x[cols] = sol
-        residual = float(np.sum((a @ x - b) ** 2))
-        if residual < best_residual - 1e-15:
-            best, best_residual = x, residual
-    return best
+    """argmin ||a x - b|| subject to x >= 0 (SciPy's Lawson-Hanson). Columns are scaled to a largest entry of 1
+    first: a count of context tokens runs to thousands where a bucket's indicator is 0 or 1."""
+    scale = np.abs(a).max(axis=0)
+    scale[scale == 0] = 1.0
+    x, _ = nnls(a / scale, b, maxiter=50 * a.shape[1])
+    return x / scale
 
 
 def _fit(a: np.ndarray, seconds) -> tuple[np.ndarray, float]:
@@ -203,6 +200,103 @@ class VerifyCost(_LinearCost):
             f"prompt token + {self.per_context_token_s * 1e6:.2f} µs per context token + {self.multi_row_s * 1e3:.1f} "
             f"ms for a step of more than one row (fitted to {self.num_steps} steps; median step error "
             f"{100 * self.median_error:.0f} %)"
+        )
+
+
+ROW_BUCKET_STARTS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024)
+
+
+class StepCostModel(Protocol):
+    """What the simulator needs of a cost model: the seconds a step's work costs."""
+
+    def __call__(self, work: StepWork) -> float: ...
+
+
+@dataclass(frozen=True)
+class RowBucketCost:
+    """Lesson 07's step cost with its fixed part looked up by the step's rows (tokens fed):
+
+    ``seconds = bucket_s[bucket of work.rows] + per_decode_s x decodes + per_prefill_token_s x prompt tokens +
+    per_context_token_s x context tokens``.
+
+    Why buckets: on a CPU a matrix product's time is not a straight line in its rows. One row runs as matrix-vector
+    products; from two rows on the library picks its matrix-matrix kernels by shape, and a product of 10 rows can
+    cost more than one of 16. A single fixed part (:class:`StepCost`) averages those jumps over the batch sizes that
+    ran, and then misprices the small steps a lightly loaded server runs. Here each bucket of row counts gets its own
+    fixed part; the per-decode, per-prompt-token and per-context-token parts are shared.
+
+    Invariants: ``bucket_starts`` rises strictly; bucket ``i`` holds the row counts from ``bucket_starts[i]`` up to
+    ``bucket_starts[i + 1] - 1`` (the first also every count below it, the last every count above); ``bucket_s`` has
+    one entry per bucket and no coefficient is negative. A fit keeps only buckets that held at least ``min_steps``
+    measured steps: a sparser bucket joins the one below it (or, the lowest, the one above).
+    """
+
+    bucket_starts: tuple[int, ...]
+    bucket_s: tuple[float, ...]
+    per_decode_s: float
+    per_prefill_token_s: float
+    per_context_token_s: float
+    num_steps: int = 0
+    median_error: float = float("nan")
+
+    def __post_init__(self):
+        if len(self.bucket_s) != len(self.bucket_starts) or not self.bucket_starts:
+            raise ValueError(f"{len(self.bucket_starts)} bucket starts but {len(self.bucket_s)} bucket costs")
+        if any(b >= c for b, c in zip(self.bucket_starts, self.bucket_starts[1:])):
+            raise ValueError(f"bucket starts must rise strictly, got {self.bucket_starts}")
+
+    def bucket_of(self, rows: int) -> int:
+        return max(0, bisect_right(self.bucket_starts, rows) - 1)
+
+    def bucket_label(self, i: int) -> str:
+        lo = self.bucket_starts[i]
+        if i == len(self.bucket_starts) - 1:
+            return f"{lo}+"
+        hi = self.bucket_starts[i + 1] - 1
+        return str(lo) if hi == lo else f"{lo}-{hi}"
+
+    def _features(self, work: StepWork) -> np.ndarray:
+        onehot = np.zeros(len(self.bucket_starts))
+        onehot[self.bucket_of(work.rows)] = 1.0
+        return np.concatenate([onehot, work.features()[1:]])
+
+    def __call__(self, work: StepWork) -> float:
+        coefficients = [*self.bucket_s, self.per_decode_s, self.per_prefill_token_s, self.per_context_token_s]
+        return float(np.dot(coefficients, self._features(work)))
+
+    @classmethod
+    def fit(
+        cls,
+        works: list[StepWork],
+        seconds: list[float],
+        starts: tuple[int, ...] = ROW_BUCKET_STARTS,
+        min_steps: int = 5,
+    ) -> "RowBucketCost":
+        """The least-squares fit (no coefficient negative) to measured steps, on the buckets of ``starts`` that held
+        at least ``min_steps`` of them (class docstring)."""
+        if len(works) != len(seconds):
+            raise ValueError(f"{len(works)} steps of work but {len(seconds)} timings")
+        probe = cls(tuple(starts), (0.0,) * len(starts), 0.0, 0.0, 0.0)
+        counts = np.bincount([probe.bucket_of(w.rows) for w in works], minlength=len(starts))
+        merged: list[list[int]] = []  # [start, steps]
+        for start, n in zip(starts, counts):
+            if merged and (n < min_steps or merged[-1][1] < min_steps):
+                merged[-1][1] += int(n)
+            else:
+                merged.append([int(start), int(n)])
+        kept = tuple(start for start, _ in merged)
+        shape = cls(kept, (0.0,) * len(kept), 0.0, 0.0, 0.0)
+        a = np.stack([shape._features(w) for w in works]) if works else np.zeros((0, len(kept) + 3))
+        x, err = _fit(a, seconds)
+        b = len(kept)
+        return cls(kept, tuple(map(float, x[:b])), *map(float, x[b:]), num_steps=len(works), median_error=err)
+
+    def describe(self) -> str:
+        fixed = ", ".join(f"{self.bucket_label(i)}: {s * 1e3:.1f}" for i, s in enumerate(self.bucket_s))
+        return (
+            f"fixed ms by rows in the step ({fixed}) + {self.per_decode_s * 1e3:.2f} ms per decode + "
+            f"{self.per_prefill_token_s * 1e3:.3f} ms per prompt token + {self.per_context_token_s * 1e6:.2f} µs per "
+            f"context token (fitted to {self.num_steps} steps; median step error {100 * self.median_error:.0f} %)"
         )
 
 

@@ -10,7 +10,7 @@ Because the scheduler and memory managers are the same objects the real engine u
 T4 scale (OPT-125m geometry, a 15 GiB T4's KV budget) need no GPU: they are exact byte accounting.
 
 Time, two ways. By default every step lasts ``step_time_s`` (memory experiments: only the ratio of arrival
-rate to step rate matters). With ``step_cost=`` (a :class:`~lesson_utils.serving.cost_model.StepCost` fitted to a
+rate to step rate matters). With ``step_cost=`` (a :class:`~lesson_utils.serving.cost_model.StepCostModel` fitted to a
 real engine's steps) each step lasts what that model says its work costs, and the result carries every
 request's latency: a rate sweep of the real engine's decisions at the real engine's speed, in seconds.
 """
@@ -24,7 +24,7 @@ from typing import Callable
 import numpy as np
 
 from lesson_utils.core.types import MemoryManager, Request, Sequence, SlotKind
-from lesson_utils.serving.cost_model import StepCost, StepWork
+from lesson_utils.serving.cost_model import StepCostModel, StepWork
 from lesson_utils.serving.output import RunnerOutput, StepPlan
 from lesson_utils.serving.scheduler import FCFSScheduler
 from lesson_utils.serving.step import serve_step
@@ -118,7 +118,7 @@ def simulate(
     progress: bool = True,
     scheduler: FCFSScheduler | None = None,
     runner: AccountingRunner | None = None,
-    step_cost: StepCost | None = None,
+    step_cost: StepCostModel | None = None,
     on_step: Callable[[StepPlan], None] | None = None,
 ) -> SimResult:
     """Serve ``requests`` (arrival times in seconds) with ``manager``; record memory every step.

@@ -180,3 +180,67 @@ def test_a_speculative_plan_counts_its_drafts_apart_from_its_decodes():
     work = StepWork.of_plan(plan)  # step 2: both verify 3 drafts after their newest token
     assert (work.decodes, work.drafted, work.prefill_tokens) == (2, 6, 0) and work.rows == 8
     assert list(work.features())[:3] == [1.0, 8, 0]  # lesson 07's model: a draft counts as a decode
+
+
+def _cpu_like_seconds(work):
+    """A step cost with the jumps a CPU shows: one row far cheaper than two, and 10 rows dearer than 16."""
+    jumps = {1: 0.040, 2: 0.075, 3: 0.078, 10: 0.110, 16: 0.090}
+    fixed = jumps.get(work.rows, 0.08 + 0.001 * work.rows)
+    return fixed + 0.002 * work.decodes + 0.0005 * work.prefill_tokens + 2e-6 * work.context_tokens
+
+
+def test_a_row_bucket_fit_recovers_a_bucketed_cost_and_beats_one_straight_line():
+    from lesson_utils.serving.cost_model import RowBucketCost
+
+    rng = np.random.default_rng(3)
+    works = [
+        StepWork(int(d), 0, int(d) * int(c))
+        for d, c in zip(rng.choice([1, 2, 3, 10, 16], 200), rng.integers(5, 60, 200))
+    ]
+    seconds = [_cpu_like_seconds(w) for w in works]
+    fit = RowBucketCost.fit(works, seconds, starts=(1, 2, 3, 4, 10, 11, 16))
+    assert fit.bucket_starts == (1, 2, 3, 10, 16)  # the empty buckets 4-9 and 11-15 joined the ones below
+    assert fit.median_error < 1e-6
+    for w, s in zip(works, seconds):
+        assert fit(w) == pytest.approx(s, rel=1e-6)
+    assert [fit.bucket_label(i) for i in range(5)] == ["1", "2", "3-9", "10-15", "16+"]
+    line = StepCost.fit(works, seconds)
+    assert line.median_error > 0.05  # the straight line cannot follow the jumps
+    assert fit(StepWork(1, 0, 30)) < fit(StepWork(2, 0, 60)) and fit(StepWork(16, 0, 16)) < fit(StepWork(10, 0, 10))
+
+
+def test_row_buckets_merge_sparse_ones_and_look_up_every_row_count():
+    from lesson_utils.serving.cost_model import RowBucketCost
+
+    works = [StepWork(1, 0, 5)] * 2 + [StepWork(2, 0, 5)] * 6 + [StepWork(5, 0, 9)] * 3 + [StepWork(40, 0, 9)] * 6
+    fit = RowBucketCost.fit(works, [0.1] * len(works), starts=(1, 2, 4, 8, 32), min_steps=5)
+    # 1 row held 2 steps: the lowest bucket absorbs the next; 4-7 held 3: joins the bucket below; 8-31 held none
+    assert fit.bucket_starts == (1, 32)
+    assert [fit.bucket_of(r) for r in (0, 1, 31, 32, 10_000)] == [0, 0, 0, 1, 1]
+    assert (np.array([*fit.bucket_s, fit.per_decode_s, fit.per_prefill_token_s, fit.per_context_token_s]) >= 0).all()
+    with pytest.raises(ValueError, match="timings"):
+        RowBucketCost.fit(works, [0.1] * 3)
+    with pytest.raises(ValueError, match="at least"):
+        RowBucketCost.fit(works[:3], [0.1] * 3, starts=(1,), min_steps=1)
+    with pytest.raises(ValueError, match="rise strictly"):
+        RowBucketCost((1, 1), (0.1, 0.2), 0.0, 0.0, 0.0)
+    with pytest.raises(ValueError, match="bucket costs"):
+        RowBucketCost((1, 2), (0.1,), 0.0, 0.0, 0.0)
+    assert "1-31" in fit.describe() and "32+" in fit.describe()
+
+
+def test_the_simulator_runs_on_a_row_bucket_clock():
+    from lesson_utils.serving.cost_model import RowBucketCost
+
+    reqs = [Request(0, 0.0, 4, 6), Request(1, 0.0, 3, 2)]  # steps of 7 rows (both prompts), 2, then 1 row
+    rows = []
+    cost = RowBucketCost((1, 2), (0.5, 1.0), 0.0, 0.0, 0.0)
+    res = simulator.simulate(
+        reqs,
+        BlockManager(16, 4),
+        step_cost=cost,
+        progress=False,
+        on_step=lambda plan: rows.append(sum(plan.num_tokens)),
+    )
+    assert 1 in rows and 2 in rows
+    assert res.wall_s() == pytest.approx(sum(0.5 if n == 1 else 1.0 for n in rows))
