@@ -35,6 +35,11 @@ def _quantize_cases(device) -> list[tuple]:
             x[1, 0] = 0  # one all-zero head among others
             x[2] *= 50  # one outlier token: a per-tensor scale would flatten the others
         cases.append((x,))
+    # magnitudes near zero: one token around 1e-30, one near float32's smallest normal (1.2e-38; its scale, 127x
+    # smaller, is subnormal) and one of subnormal values - a quantizer that divides by `scale + eps`, or multiplies by
+    # `1 / scale` (inf for a scale below 3e-39), is off by many levels here
+    tiny = torch.randn(3, 2, 16, generator=g) * torch.tensor([1e-30, 1e-37, 1e-40])[:, None, None]
+    cases.append((tiny.to(device),))
     return cases
 
 
@@ -83,8 +88,22 @@ def _explain_quantize(case, expected, got) -> str:
         if gs.dim() == 0 or gs.numel() == 1:
             return "one scale per token and head, not one for the whole tensor: which axis does your max run over?"
         return f"one scale per vector: shape {tuple(s.shape)} (did you keep the last axis with keepdim?)"
-    if torch.isnan(gs).any() or torch.isnan(gq.float()).any():
-        return "an all-zero vector has scale 0: what do you divide by then?"
+    if not bool(torch.isfinite(gs).all()):
+        bad = ~torch.isfinite(gs)
+        kind = "NaN" if bool(torch.isnan(gs[bad]).any()) else "-inf" if bool((gs[bad] < 0).any()) else "inf"
+        if bool((s[bad] == 0).all()):
+            return f"an all-zero vector got scale {kind}: its scale is 0 - what do you divide by then?"
+        return (
+            f"your scale is {kind} for a vector of finite values (the expected scale there is "
+            f"{float(s[bad][0]):.3g}): which operation of yours can turn a finite max|x| / 127 into {kind}?"
+        )
+    tiny = x.float().abs().amax(dim=-1) < 1e-20
+    if bool(tiny.any()) and not torch.equal(gq[tiny], expected[0][tiny]):
+        return (
+            "your values are off for vectors of tiny magnitude (largest |x| from 1e-30 down to subnormal 1e-40, "
+            "so scales below float32's smallest normal, 1.2e-38): what does 1 / scale give in float32 there, and "
+            "what does adding a small epsilon to a scale of 1e-40 do to x / scale?"
+        )
     if torch.allclose(gs, torch.full_like(gs, float(s.max())), rtol=1e-5) and not torch.allclose(s, gs):
         return "all your scales are the same: one scale for the whole tensor lets one large token flatten the rest"
     if int(gq.min()) == -128 or any(torch.allclose(gs, s * 127 / k, rtol=1e-5) for k in (127.5, 128, 255)):
@@ -106,7 +125,8 @@ def _explain_quantize(case, expected, got) -> str:
 
 def check_quantize_kv(fn, quiet: bool = False) -> CheckResult:
     """Exercise 10-1: ``quantize_kv(x) -> (q int8, scale float32)``, per token and head, symmetric, rounded, +-127;
-    zero vectors give scale 0; NaN/inf refused with a ValueError; the input left unchanged."""
+    zero vectors give scale 0; tiny and subnormal magnitudes exact; NaN, inf, -inf refused with a ValueError; the
+    input left unchanged."""
     name = "quantize_kv"
     device = case_device()
     result = check_function(
@@ -130,14 +150,14 @@ def check_quantize_kv(fn, quiet: bool = False) -> CheckResult:
             name, "a refused call must leave its input as it was: after refusing the NaN, your x had changed",
             Q.quantize_kv, quiet,
         )  # fmt: skip
-    inf = torch.ones(2, 1, 4, device=device)
-    inf[0, 0, 0] = float("inf")
-    refused = expect_error(
-        name, fn, (inf,), ValueError, "a vector holding inf cannot be stored in int8", Q.quantize_kv, quiet
-    )
-    if refused is not None:
-        return refused
-    return passed(name, result.message.split(": ", 1)[-1].split("\n")[0] + " NaN and inf are refused.", fn, quiet)
+    for value in ("inf", "-inf"):
+        inf = torch.ones(2, 1, 4, device=device)
+        inf[0, 0, 0] = float(value)
+        what = f"a vector holding {value} cannot be stored in int8"
+        refused = expect_error(name, fn, (inf,), ValueError, what, Q.quantize_kv, quiet)
+        if refused is not None:
+            return refused
+    return passed(name, result.message.split(": ", 1)[-1].split("\n")[0] + " NaN, inf and -inf are refused.", fn, quiet)
 
 
 def _reissue(result: CheckResult, quiet: bool, reference=None) -> CheckResult:
@@ -166,6 +186,7 @@ def _layout_cases() -> list[tuple]:
         _config(2, 4, 320),  # head dim 80: inline 84 -> 96
         _config(24, 16, 2048, head_dim=128),  # an explicit head_dim: inline 132 -> 144
         _config(3, 5, 60),  # head dim 12: inline 16, already aligned
+        _config(28, 16, 1024, kv_heads=8, head_dim=128),  # Qwen3-0.6B's: head_dim 128, not hidden / heads = 64
     ]
     return [(c, layout) for c in configs for layout in kv_math.KV_LAYOUTS]
 
@@ -175,6 +196,12 @@ def _explain_layout(case, expected, got) -> str:
     if not isinstance(got, int) or isinstance(got, bool):
         return f"return a whole number of bytes (an int), got {type(got).__name__}"
     layers, kvh, d = config.num_hidden_layers, kv_math.kv_heads_of(config), kv_math.head_dim_of(config)
+    plain = _config(layers, config.num_attention_heads, config.hidden_size, config.num_key_value_heads)
+    if config.head_dim and got == kv_math.int8_kv_bytes_per_token(plain, layout) != expected:
+        return (
+            f"this config names its head size (head_dim={config.head_dim}) and it is not hidden / heads "
+            f"({config.hidden_size} / {config.num_attention_heads}): where does your head size come from?"
+        )
     if got * 2 == expected:
         return "a token stores a key AND a value in every layer: did you count both?"
     if layout != "fp16" and got == 2 * layers * kvh * d:
@@ -211,7 +238,7 @@ def check_kv_bytes_per_token(fn, quiet: bool = False) -> CheckResult:
     if refused is not None:
         return refused
     return passed(
-        name, f"all {len(_layout_cases())} cases match (five geometries x three layouts); 'int4' refused.", fn, quiet
+        name, f"all {len(_layout_cases())} cases match (six geometries x three layouts); 'int4' refused.", fn, quiet
     )
 
 
@@ -220,14 +247,19 @@ def check_kv_bytes_per_token(fn, quiet: bool = False) -> CheckResult:
 
 def _loader_cases(device) -> list[dict]:
     cases = []
-    for seed, (bs, kvh, group, d, lens) in enumerate(
-        [(4, 1, 1, 16, [7, 1]), (8, 2, 2, 24, [17, 8, 3]), (16, 1, 4, 64, [33]), (4, 2, 1, 80, [5, 12])]
+    for seed, (bs, kvh, group, d, lens, size) in enumerate(
+        [
+            (4, 1, 1, 16, [7, 1], 0.05),
+            (8, 2, 2, 24, [17, 8, 3], 0.05),
+            (16, 1, 4, 64, [33], 1e-7),  # scales far below the typical: an fp16 product loses them (subnormal there)
+            (4, 2, 1, 80, [5, 12], 1e3),  # far above: 127 x 1e3 overflows fp16; the second table is full to its end
+        ]
     ):
         g = torch.Generator().manual_seed(100 + seed)
         width = max(-(-c // bs) for c in lens)
         nb = len(lens) * width + 1
-        ks = torch.rand(nb, bs, kvh, generator=g) * 0.05
-        vs = torch.rand(nb, bs, kvh, generator=g) * 0.05
+        ks = torch.rand(nb, bs, kvh, generator=g) * size
+        vs = torch.rand(nb, bs, kvh, generator=g) * size
         tables = (torch.randperm(nb - 1, generator=g)[: len(lens) * width] + 1).view(len(lens), width)
         ks[int(tables[0, 0]), 0] = 0  # a zero scale (an all-zero vector)
         # block 0 is in no table: the lanes of tokens past a context point into it (their slot lookup is masked),
@@ -242,10 +274,43 @@ def _loader_cases(device) -> list[dict]:
                 vs=vs.to(device),
                 tables=tables.to(torch.int32).to(device),
                 lens=torch.tensor(lens, dtype=torch.int32).to(device),
-                shown=f"block_size={bs}, kv_heads={kvh}, query heads per kv head={group}, head_dim={d}, contexts={lens}",
+                size=size,
+                shown=f"block_size={bs}, kv_heads={kvh}, query heads per kv head={group}, head_dim={d}, contexts={lens}, "
+                f"scales up to {size:g}",
             )
         )
     return cases
+
+
+_SHAPE_WORDS = ("incompatible dimensions", "make_shape_compatible", "broadcast", "shape")
+
+
+def _loader_error(kernel: str, c: dict, err: BaseException) -> str:
+    """Feedback for an exception raised by a kernel running the learner's loader: shape errors become a question."""
+    text = str(err).splitlines()[-1][:300] if str(err) else type(err).__name__
+    if any(word in str(err) for word in _SHAPE_WORDS):
+        return (
+            f"in {kernel}, on ({c['shown']}), the shapes in your loader do not combine ({text}). The tile is "
+            "[TILE, HEAD_DIM_P] and the scales [TILE], one per row: to multiply each row by its own scale, what "
+            "shape must the scales have, and which axis does Triton line up when two shapes differ?"
+        )
+    return f"in {kernel}, on ({c['shown']}), the kernel with your loader raised {type(err).__name__}: {text}"
+
+
+def _non_finite(kernel: str, c: dict, got: torch.Tensor) -> str:
+    """Feedback for a non-finite output: NaN (poison read past the data), or inf / -inf (an overflowing product)."""
+    if bool(torch.isnan(got).any()) and c["size"] <= 1:
+        return (
+            f"in {kernel}, on ({c['shown']}): the output holds NaN. In this check NaN sits only in the scales of a "
+            "block no sequence owns (the lanes of tokens past the context point into it; in a real cache it holds "
+            "whatever is there), so your loader read one of those (or made a NaN itself, 0 x inf or 0 / 0): which "
+            "scale does each row of your tile read, and which mask guards each of your two loads?"
+        )
+    return (
+        f"in {kernel}, on ({c['shown']}): the output holds NaN, inf or -inf, though every scale your tile should "
+        f"read is finite (values up to 127 x {c['size']:g} = {127 * c['size']:,.6g} here): in which dtype does your "
+        "tile hold them, and what is that dtype's largest number?"
+    )
 
 
 def _loader_mistake(fn_out, c) -> str:
@@ -254,13 +319,19 @@ def _loader_mistake(fn_out, c) -> str:
     )
     if torch.allclose(fn_out.float(), no_scale.float(), rtol=1e-3, atol=1e-3):
         return "the values come out as if every scale were 1: where do the scales (scale_ptrs) enter your tile?"
+    if c["size"] < 1e-3:
+        return (
+            "these scales are near 1e-7 (a K or V whose largest value is about 1e-5): in which dtype is your product "
+            "computed, and can that dtype hold 1e-7 to three digits? (fp16's smallest normal number is 6.1e-5)"
+        )
     return "compare one token's row: value x scale of THAT token (scale_ptrs[i] belongs to row i of the tile)"
 
 
 def check_load_int8_tile(fn, quiet: bool = False) -> CheckResult:
     """Exercise 10-3: a ``@triton.jit`` ``load_int8_tile(ptrs, scale_ptrs, mask, token_mask)`` -> the fp32 tile,
     run inside lesson 04's decode kernel and lesson 08's unified kernel against the dequantize-then-attend
-    references."""
+    references, with scales from 1e-7 to 1e3, NaN poison in the block that the lanes past each context point at,
+    and one table full to its last slot. Every kernel call is guarded: a learner's error becomes feedback."""
     from lesson_utils.kernels.int8_kv import int8_paged_attention_decode, int8_unified_attention
 
     name = "load_int8_tile"
@@ -270,60 +341,58 @@ def check_load_int8_tile(fn, quiet: bool = False) -> CheckResult:
         return failed(name, "decorate your function with @triton.jit: the kernels call it on the GPU", None, quiet)
     from lesson_utils.kernels.int8_kv import load_int8_tile
 
-    for c in _loader_cases(case_device()):
-        want = Q.int8_paged_attention_reference(c["q"], c["k"], c["v"], c["ks"], c["vs"], c["tables"], c["lens"])
+    def run(kernel: str, c: dict, call, want: torch.Tensor, hint) -> CheckResult | None:
         try:
-            got = int8_paged_attention_decode(
-                c["q"], c["k"], c["v"], c["ks"], c["vs"], c["tables"], c["lens"], load_fn=fn
-            )
+            got = call()
         except NotImplementedError:
             return not_implemented(name, load_int8_tile, quiet)
         except Exception as err:  # noqa: BLE001 - a learner's kernel error is feedback
-            text = str(err).splitlines()[-1][:300] if str(err) else type(err).__name__
-            if "NotImplementedError" in text:
+            if "NotImplementedError" in str(err):
                 return not_implemented(name, load_int8_tile, quiet)
-            return failed(
-                name,
-                f"on ({c['shown']}) the decode kernel with your loader raised {type(err).__name__}: {text}",
-                load_int8_tile,
-                quiet,
-            )
-        if not torch.isfinite(got).all():
-            return failed(
-                name,
-                f"in lesson 04's decode kernel, on ({c['shown']}): the output holds NaN. In this check NaN sits only in the "
-                "scales of a block no sequence owns (the lanes of tokens past the context point into it; in a real "
-                "cache it holds whatever is there), so your loader read one of those: which scale does each row of "
-                "your tile read, and which mask guards each of your two loads?",
-                load_int8_tile,
-                quiet,
-            )
-        err = float((got.float() - want.float()).abs().max() / want.float().abs().max().clamp_min(1e-6))
+            return failed(name, _loader_error(kernel, c, err), load_int8_tile, quiet)
+        if not bool(torch.isfinite(got).all()):
+            return failed(name, _non_finite(kernel, c, got), load_int8_tile, quiet)
+        err = float((got.float() - want.float()).abs().max() / want.float().abs().max().clamp_min(1e-30))
         if not err <= 1e-3:  # NaN included
             return failed(
                 name,
-                f"in lesson 04's decode kernel, on ({c['shown']}): relative error {err:.3g} against dequantize-then-attend "
-                f"(at most 1e-3 expected)\n    first row expected: {short(want[0, 0, :6])}\n    got:               "
-                f"{short(got[0, 0, :6])}\n    hint: {_loader_mistake(got, c)}",
+                f"in {kernel}, on ({c['shown']}): relative error {err:.3g} against dequantize-then-attend (at most "
+                f"1e-3 expected)\n    first row expected: {short(want.flatten()[:6])}\n    got:               "
+                f"{short(got.flatten()[:6])}\n    hint: {hint(got)}",
                 load_int8_tile,
                 quiet,
             )
+        return None
+
+    decode = "lesson 04's decode kernel"
+    for c in _loader_cases(case_device()):
+        want = Q.int8_paged_attention_reference(c["q"], c["k"], c["v"], c["ks"], c["vs"], c["tables"], c["lens"])
+        bad = run(
+            decode, c,
+            lambda c=c: int8_paged_attention_decode(
+                c["q"], c["k"], c["v"], c["ks"], c["vs"], c["tables"], c["lens"], load_fn=fn
+            ),
+            want, lambda got, c=c: _loader_mistake(got, c),
+        )  # fmt: skip
+        if bad is not None:
+            return bad
     c = _loader_cases(case_device())[1]  # chunks and decodes through the unified kernel
     starts = torch.tensor([0, 1, 3, 4], dtype=torch.int32, device=c["q"].device)
     q = torch.cat([c["q"][:1], c["q"][1:2].expand(2, -1, -1), c["q"][2:]]).contiguous()
     want = Q.int8_unified_attention_reference(q, c["k"], c["v"], c["ks"], c["vs"], c["tables"], starts, c["lens"])
-    got = int8_unified_attention(q, c["k"], c["v"], c["ks"], c["vs"], c["tables"], starts, c["lens"], 2, load_fn=fn)
-    err = float((got.float() - want.float()).abs().max() / want.float().abs().max().clamp_min(1e-6))
-    if not err <= 1e-3:  # NaN included
-        return failed(
-            name,
-            f"in lesson 08's unified kernel: relative error {err:.3g} (at most 1e-3 expected)",
-            load_int8_tile,
-            quiet,
-        )
+    bad = run(
+        "lesson 08's unified kernel", c,
+        lambda: int8_unified_attention(
+            q, c["k"], c["v"], c["ks"], c["vs"], c["tables"], starts, c["lens"], 2, load_fn=fn
+        ),
+        want, lambda got: "the decode kernel matched: what differs when a sequence brings several query rows?",
+    )  # fmt: skip
+    if bad is not None:
+        return bad
     return passed(
         name,
-        "lesson 04's decode kernel (4 geometries) and lesson 08's unified kernel match dequantize-then-attend.",
+        "lesson 04's decode kernel (4 geometries, scales from 1e-7 to 1e3) and lesson 08's unified kernel match "
+        "dequantize-then-attend.",
         fn,
         quiet,
     )

@@ -84,6 +84,31 @@ def no_clamp(x):
     return torch.round(x.float() / _safe(s)).to(torch.int8), s
 
 
+def reciprocal_scale(x):
+    Q.check_finite(x)
+    s = _scale(x)
+    return torch.round(x.float() * (1 / _safe(s))).clamp(-127, 127).to(torch.int8), s  # 1 / 2e-39 is inf in float32
+
+
+def eps_in_the_divisor(x):
+    Q.check_finite(x)
+    s = _scale(x)
+    return torch.round(x.float() / (s[..., None] + 1e-12)).clamp(-127, 127).to(torch.int8), s
+
+
+def refuses_nan_and_plus_inf_only(x):
+    if torch.isnan(x).any() or (x == float("inf")).any():
+        raise ValueError("not storable")
+    s = _scale(x)  # -inf gets through: scale inf, q NaN -> garbage
+    return torch.round(x.float() / _safe(s)).clamp(-127, 127).to(torch.int8), s
+
+
+def inverted_scale(x):
+    Q.check_finite(x)
+    inv = 127 / x.float().abs().amax(-1)  # inf for an all-zero vector
+    return torch.round(x.float() * inv[..., None]).nan_to_num(0).clamp(-127, 127).to(torch.int8), inv
+
+
 def test_the_reference_passes_and_a_stub_is_unsolved():
     assert C.check_quantize_kv(Q.quantize_kv, quiet=True).passed
 
@@ -108,6 +133,11 @@ def test_the_reference_passes_and_a_stub_is_unsolved():
         (cleans_then_refuses, ["refused call", "changed"]),
         (int32_values, ["int8"]),
         (no_clamp, ["expected"]),
+        # issue 35: magnitudes near zero and subnormal, -inf, a non-finite scale named as such
+        (reciprocal_scale, ["tiny magnitude", "1 / scale"]),
+        (eps_in_the_divisor, ["tiny magnitude", "epsilon"]),
+        (refuses_nan_and_plus_inf_only, ["-inf", "ValueError"]),
+        (inverted_scale, ["scale inf"]),
     ],
 )
 def test_wrong_quantizers_fail_naming_the_mistake(wrong, needles):
@@ -157,6 +187,12 @@ def query_heads(c, layout):
     return 2 * c.num_hidden_layers * c.num_attention_heads * per
 
 
+def hidden_over_heads(c, layout):
+    d = c.hidden_size // c.num_attention_heads  # ignores an explicit head_dim
+    per = {"fp16": 2 * d, "int8, separate scales": d + 4, "int8, inline scales": -(-(d + 4) // 16) * 16}[layout]
+    return 2 * c.num_hidden_layers * kv_math.kv_heads_of(c) * per
+
+
 def float_bytes(c, layout):
     return float(kv_math.int8_kv_bytes_per_token(c, layout))
 
@@ -176,6 +212,7 @@ def no_refusal(c, layout):
         (scale_per_token, ["token AND head"]),
         (no_alignment, ["16-byte boundary"]),
         (query_heads, ["KV heads"]),
+        (hidden_over_heads, ["head_dim=128", "where does your head size come from"]),  # issue 35
         (float_bytes, ["an int"]),
         (no_refusal, ["int4", "ValueError"]),
     ],
@@ -220,6 +257,20 @@ def unmasked_scale_load(ptrs, scale_ptrs, mask, token_mask):
 
 
 @triton.jit
+def scales_without_a_row_axis(ptrs, scale_ptrs, mask, token_mask):
+    x = tl.load(ptrs, mask=mask, other=0).to(tl.float32)
+    s = tl.load(scale_ptrs, mask=token_mask, other=0.0)
+    return x * s  # [TILE, HEAD_DIM_P] x [TILE]: the interpreter's raw error is about sizes the learner never sees
+
+
+@triton.jit
+def multiplies_in_fp16(ptrs, scale_ptrs, mask, token_mask):
+    x = tl.load(ptrs, mask=mask, other=0).to(tl.float16)
+    s = tl.load(scale_ptrs, mask=token_mask, other=0.0).to(tl.float16)
+    return (x * s[:, None]).to(tl.float32)  # right at scales near 0.05; a scale of 1e-7 is subnormal in fp16
+
+
+@triton.jit
 def not_implemented_loader(ptrs, scale_ptrs, mask, token_mask):
     raise NotImplementedError("exercise 10-3")
 
@@ -235,6 +286,9 @@ def test_the_loader_reference_passes():
         (one_scale_for_the_tile, ["relative error", "THAT token"]),
         (multiplies_in_int8, ["relative error"]),
         (unmasked_scale_load, ["holds NaN", "which mask guards each of your two loads"]),
+        # issue 35: a shape error asked about, and a scale far from the typical one
+        (scales_without_a_row_axis, ["do not combine", "what shape must the scales have"]),
+        (multiplies_in_fp16, ["relative error", "scales up to 1e-07", "in which dtype is your product"]),
     ],
 )
 def test_wrong_loaders_fail_without_crashing(wrong, needles):
