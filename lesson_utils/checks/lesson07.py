@@ -1,158 +1,23 @@
-"""Checkers for lesson 07: the capstone's engine step (07-1) and the capacity prediction (07-2)."""
+"""Checkers for lesson 07: the update that settles a step (07-1, in :mod:`.settle`) and the capacity prediction (07-2)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from lesson_utils.cache.paged import PagedKVCache
-from lesson_utils.core.progress import busy
-from lesson_utils.core.types import OutOfBlocks
 from lesson_utils.lab.kv_math import predict_capacity
-from lesson_utils.memory.sharing import SharingBlockManager
-from lesson_utils.serving.engine import Engine
-from lesson_utils.serving.model_runner import ModelRunner
-from lesson_utils.serving.step import serve_step
 
 from .core import (
     CheckResult,
     check_function,
     expect_error,
     failed,
-    not_implemented,
     passed,
     same_value,
     show_message,
 )
+from .settle import check_update_from_output, reference_update
 
-MAX_STEPS = 400
-
-
-class _LogitsRunner(ModelRunner):
-    """The model runner, keeping every step's logits: a wrong step can leave the tokens of the tiny ci model
-    unchanged (its argmax rarely moves) while the computation under them is wrong."""
-
-    def __init__(self, w, cache):
-        super().__init__(w, cache)
-        self.logged: list[tuple[list[int], torch.Tensor]] = []
-
-    def logits(self, seqs, counts=None):
-        out = super().logits(seqs, counts)
-        self.logged.append(([s.seq_id for s in seqs], out.float().cpu()))
-        return out
-
-
-@dataclass
-class _Run:
-    outputs: list[list[int]]
-    finished_per_step: list[list[int]]  # seq ids returned as finished, step by step
-    hits: int  # prompt tokens served from the prefix cache
-    registered: set  # hashes of the blocks registered in the prefix cache
-    logits: list[tuple[list[int], torch.Tensor]]
-    copies: int  # copy-on-write copies the run made
-
-
-def _run(w, step_fn, prompts, max_new, num_blocks, forks: bool = False) -> _Run:
-    manager = SharingBlockManager(num_blocks, 4, max_seq_len=w.max_positions)
-    cache = PagedKVCache.for_model(w, manager=manager)
-    engine = Engine(w, cache, step_fn=step_fn)
-    engine.runner = runner = _LogitsRunner(w, cache)
-    seqs = [engine.add_request(p, max_new) for p in prompts]  # the later prompts share the first's prefix
-    if forks:  # two samples of one prompt share its last, partly filled block: their first writes need
-        # copy-on-write copies, which the plan carries - a step that drops part of the plan shows here
-        seqs.append(engine.add_request(prompts[0][:7], max_new, n=2))
-    finished = []
-    while engine.scheduler.has_work:
-        finished.append(sorted(s.seq_id for s in engine.step()))
-        if len(finished) > MAX_STEPS:
-            raise TimeoutError(f"still running after {MAX_STEPS} steps")
-    outputs = [list(x.output_ids) for s in seqs for x in (s.samples or [s])]
-    return _Run(
-        outputs, finished, manager.cached_prompt_tokens, set(manager.pool.block_of), runner.logged, manager.num_cow
-    )
-
-
-def check_engine_step(fn, w) -> CheckResult:
-    """Exercise 07-1: schedule (admit, make room), execute (the forward pass), update (tokens, prefix cache, frees)."""
-    name = "engine_step"
-    g = torch.Generator().manual_seed(7)
-    shared = [w.bos_token_id] + torch.randint(4, w.vocab_size, (12,), generator=g).tolist()
-    prompts = [shared + torch.randint(4, w.vocab_size, (n,), generator=g).tolist() for n in (1, 3, 6, 2)]
-    try:
-        with busy("checking your step: the course's engine, then yours, on one workload"):
-            ref = _run(w, serve_step, prompts, 6, 12)
-            got = _run(w, fn, prompts, 6, 12)
-    except NotImplementedError:
-        return not_implemented(name, serve_step)
-    except TimeoutError as err:
-        return failed(
-            name,
-            f"{err}: does every step end with the scheduler's update (the tokens, and freeing what finished)?",
-            serve_step,
-        )
-    except OutOfBlocks as err:
-        return failed(
-            name,
-            f"the model ran out of blocks ({err}): was there room for every running sequence's next "
-            "token before the model ran? (the scheduler can make it, preempting if memory is short)",
-            serve_step,
-        )
-    except Exception as err:  # noqa: BLE001
-        return failed(name, f"your step raised {type(err).__name__}: {err}", serve_step)
-    if got.outputs != ref.outputs:
-        bad = next(i for i, (a, b) in enumerate(zip(got.outputs, ref.outputs)) if a != b)
-        return failed(name, f"request {bad} generated {got.outputs[bad]}; expected {ref.outputs[bad]}", serve_step)
-    if got.hits != ref.hits or got.registered != ref.registered:
-        return failed(
-            name,
-            f"outputs are right, but the prefix cache served {got.hits} prompt tokens (expected "
-            f"{ref.hits}) and holds {len(got.registered)} registered blocks (expected {len(ref.registered)}): "
-            "does every step hand the runner's output to the scheduler's update (it registers computed blocks)?",
-            serve_step,
-        )
-    if len(got.finished_per_step) > len(ref.finished_per_step):
-        return failed(
-            name,
-            f"serving took {len(got.finished_per_step)} steps instead of {len(ref.finished_per_step)}: "
-            "in which step is a new request prefilled with your order of phases?",
-            serve_step,
-        )
-    if got.finished_per_step != ref.finished_per_step:
-        step = next(i for i, (a, b) in enumerate(zip(got.finished_per_step, ref.finished_per_step)) if a != b)
-        return failed(
-            name,
-            f"at step {step} your step returned sequences {got.finished_per_step[step]} as finished; "
-            f"expected {ref.finished_per_step[step]} (what should a step return?)",
-            serve_step,
-        )
-    for (ids, g), (ref_ids, r) in zip(got.logits, ref.logits):
-        if ids != ref_ids or g.shape != r.shape or not torch.allclose(g, r, atol=1e-4, rtol=1e-4):
-            return failed(
-                name,
-                "same tokens, but the model computed other logits along the way: is every step "
-                "running the model once, over the right sequences?",
-                serve_step,
-            )
-    ref_forks = _run(w, serve_step, prompts, 6, 16, forks=True)
-    try:
-        got_forks = _run(w, fn, prompts, 6, 16, forks=True)
-    except Exception as err:  # noqa: BLE001
-        return failed(name, f"with two samples of one prompt, your step raised {type(err).__name__}: {err}", serve_step)
-    if got_forks.outputs != ref_forks.outputs:
-        return failed(
-            name,
-            "right on single requests, but two samples of one prompt (sharing its last block) generate "
-            f"{got_forks.outputs[-2:]} instead of {ref_forks.outputs[-2:]}: does every part of the plan reach the "
-            "runner - the block copies too?",
-            serve_step,
-        )
-    return passed(
-        name,
-        f"same outputs, logits, finished sequences per step, {len(got.finished_per_step)} steps and "
-        f"prefix-cache hits as the course's engine, and {ref_forks.copies} copy-on-write copy for two samples of one prompt.",
-        fn,
-    )
+__all__ = ["check_predict_capacity", "check_update_from_output", "reference_update"]
 
 
 # ---- exercise 07-2: predict what the budget holds ------------------------------------------------------------

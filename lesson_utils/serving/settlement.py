@@ -82,17 +82,24 @@ class SettlesSteps:
                 self.running = [s for s in self.running if s.beam is not group] + group.beams
         done = [s for s in self.running if s.is_finished]
         for seq in done:
-            if self.hold_finished:  # its blocks are still to be sent (lesson 09): release() frees them
-                self.held[seq.seq_id] = seq
-            else:
-                self.manager.free(seq.seq_id)
-            seq.finished_step, seq.status = plan.step, SequenceStatus.FINISHED
-            self.finished.append(seq)
-        if done:
-            self.running = [s for s in self.running if not s.is_finished]
+            self.finish(seq, plan.step)
         for group in {id(s.beam): s.beam for s in done if s.beam is not None}.values():
             group.best = max(zip(group.beams, group.scores), key=lambda b: b[1])[0]  # max keeps the first of equals
         return done
+
+    def finish(self, seq: Sequence, step: int) -> None:
+        """``seq`` finished at ``step``: it leaves ``running`` for ``finished`` and its memory is freed - or, on lesson
+        09's prefill side (``hold_finished``), held until :meth:`release` once its K/V have been sent. Lesson 07's
+        exercise calls it for every sequence its update finds finished."""
+        if not any(s is seq for s in self.running):
+            raise ValueError(f"sequence {seq.seq_id} is not running, so it cannot finish (finished twice?)")
+        if self.hold_finished:  # its blocks are still to be sent (lesson 09): release() frees them
+            self.held[seq.seq_id] = seq
+        else:
+            self.manager.free(seq.seq_id)
+        seq.finished_step, seq.status = step, SequenceStatus.FINISHED
+        self.finished.append(seq)
+        self.running = [s for s in self.running if s is not seq]
 
     def _fork(self, parent: Sequence) -> list[Sequence]:
         """Parallel sampling, after the parent's prefill: its n - 1 siblings share its blocks and join the running

@@ -13,7 +13,6 @@
 from __future__ import annotations
 
 import math
-from dataclasses import replace
 
 import pytest
 import torch
@@ -22,7 +21,7 @@ import triton.language as tl
 from helpers import rejected
 
 from lesson_utils.cache import attention, paged
-from lesson_utils.checks import lesson02, lesson03, lesson04, lesson07, lesson08
+from lesson_utils.checks import lesson02, lesson03, lesson04, lesson08
 from lesson_utils.core.types import OutOfBlocks
 from lesson_utils.memory import reservation as R
 from lesson_utils.memory.block_allocator import BlockAllocator
@@ -91,18 +90,6 @@ def bitmask_block_slots(block_table_row_ptr, start, context_len, TILE: tl.conste
 
 def test_lesson04_a_lookup_exact_only_for_powers_of_two_is_caught():
     assert rejected(lesson04.check_block_slots(bitmask_block_slots), "block size")
-
-
-# ---- lesson 07: a step that drops the plan's copy-on-write copies ----------------------------------------------
-def drops_the_copies(scheduler, runner, step):
-    plan = scheduler.schedule(step)
-    output = runner.execute(replace(plan, copies=[]))  # a plan rebuilt without its copies
-    return plan, scheduler.update_from_output(plan, output)
-
-
-def test_lesson07_a_step_that_skips_the_copies_is_caught(tiny):
-    _, w = tiny
-    assert rejected(lesson07.check_engine_step(drops_the_copies, w), "the block copies too")
 
 
 # ---- lesson 08: order, scale and the blocks past the context ----------------------------------------------------

@@ -1,4 +1,5 @@
-"""Lesson 07's checker rejects engine steps that forget a piece or put them in the wrong order."""
+"""Lesson 07's checkers reject an update that skips or misorders a piece of settling a step, and wrong capacity
+predictions."""
 
 from __future__ import annotations
 
@@ -6,8 +7,8 @@ import pytest
 from helpers import rejected
 
 from lesson_utils.checks import lesson07
-from lesson_utils.serving.scheduler import StepPlan
-from lesson_utils.serving.step import serve_step
+from lesson_utils.lab.kv_math import Capacity, predict_capacity
+from lesson_utils.serving import sampling
 
 pytestmark = pytest.mark.usefixtures("not_strict")
 
@@ -21,43 +22,89 @@ def w():
     return OPTWeights.from_hf(load_model(profile=Profile(name="ci", device="cpu", device_name="test")).model)
 
 
-def test_reference_passes(w):
-    assert lesson07.check_engine_step(serve_step, w).passed
+def _settle(
+    scheduler,
+    plan,
+    output,
+    *,
+    advance=True,
+    by_all=False,
+    every_row=False,
+    register=True,
+    register_after_finish=False,
+    finish=True,
+    returns=True,
+    step_shift=0,
+    finish_first=False,
+):
+    """The exercise's update with one switch per decision; all defaults: the right answer."""
+    if advance:
+        for seq, n in zip(plan.scheduled, output.new_computed):
+            seq.num_computed = len(seq.token_ids) if by_all else seq.num_computed + n
+    due = [plan.scheduled[i] for i in plan.sampling]
+    if every_row:  # a token for every scheduled sequence, row i of the logits for scheduled[i]
+        for i, seq in enumerate(plan.scheduled):
+            seq.append_token(int(output.logits[i].argmax()), plan.step)
+        due = []
+    done = []
+    if finish_first:  # looks for the finished before this step's tokens are appended: a step late
+        done = [s for s in scheduler.running if s.is_finished]
+        for seq in done:
+            scheduler.finish(seq, plan.step)
+    if register and not register_after_finish:
+        for seq in plan.scheduled:
+            if not seq.is_finished or seq in scheduler.running:
+                scheduler.manager.cache_computed(seq)
+    tokens = sampling.next_tokens(due, output.logits[: len(due)]) if due else []
+    for seq, token in zip(due, tokens):
+        seq.append_token(token, plan.step + step_shift)
+    if not finish_first:
+        done = [s for s in scheduler.running if s.is_finished]
+        if finish:
+            for seq in done:
+                scheduler.finish(seq, plan.step)
+    if register and register_after_finish:
+        for seq in plan.scheduled:
+            if any(s is seq for s in scheduler.running):
+                scheduler.manager.cache_computed(seq)
+    return done if returns else []
 
 
-def test_mistakes(w):
-    def no_update(s, r, step):  # runs the model, never settles the step: no token, nothing ever finishes
-        plan = s.schedule(step)
-        r.execute(plan)
-        return plan, []
-
-    def no_schedule(s, r, step):  # runs whoever is running, never admits
-        plan = StepPlan(step, list(s.running), [1] * len(s.running))
-        return plan, s.update_from_output(plan, r.execute(plan))
-
-    def returns_only_the_finished(s, r, step):
-        plan = s.schedule(step)
-        return s.update_from_output(plan, r.execute(plan))
-
-    def returns_the_output(s, r, step):
-        plan = s.schedule(step)
-        output = r.execute(plan)
-        return output, s.update_from_output(plan, output)
-
-    def runs_twice(s, r, step):  # one forward pass too many per step
-        plan = s.schedule(step)
-        r.execute(plan)
-        return plan, s.update_from_output(plan, r.execute(plan))
-
-    assert rejected(lesson07.check_engine_step(no_update, w), "update")
-    assert rejected(lesson07.check_engine_step(no_schedule, w))
-    assert rejected(lesson07.check_engine_step(returns_only_the_finished, w), "a step returns (plan, finished)")
-    assert rejected(lesson07.check_engine_step(returns_the_output, w), "a step returns (plan, finished)")
-    assert rejected(lesson07.check_engine_step(runs_twice, w))
+def test_the_reference_update_passes(w):
+    assert lesson07.check_update_from_output(lesson07.reference_update, w).passed
+    assert lesson07.check_update_from_output(_settle, w).passed  # the switches' defaults are a right answer
 
 
-# ---- exercise 07-2: predict_capacity -----------------------------------------------------------------------
-from lesson_utils.lab.kv_math import Capacity, predict_capacity  # noqa: E402
+@pytest.mark.parametrize(
+    "mistake, says",
+    [
+        (dict(advance=False), "computed count"),
+        (dict(by_all=True), "per step): after step 0 request 0 has computed 14"),
+        (dict(every_row=True), "chunk"),
+        (dict(register=False), "prefix cache"),
+        (dict(register_after_finish=True), "before a finished sequence"),
+        (dict(finish=False), "leave the running batch"),
+        (dict(returns=False), "as finished"),
+        (dict(step_shift=1), "Which step produced"),
+        (dict(finish_first=True), "finished once this step's tokens are in"),
+    ],
+)
+def test_update_mistakes(w, mistake, says):
+    def wrong(scheduler, plan, output):
+        return _settle(scheduler, plan, output, **mistake)
+
+    assert rejected(lesson07.check_update_from_output(wrong, w), says)
+
+
+def test_an_update_that_raises_or_is_unsolved_is_reported(w):
+    def unsolved(scheduler, plan, output):
+        raise NotImplementedError
+
+    def crashes(scheduler, plan, output):
+        return scheduler.no_such_method(plan)
+
+    assert "not implemented" in lesson07.check_update_from_output(unsolved, w).message
+    assert rejected(lesson07.check_update_from_output(crashes, w), "raised AttributeError")
 
 
 def _capacity(budget, max_len, bs, held, *, blocks=None, budget_blocks=None, skip=False, of_held=False):

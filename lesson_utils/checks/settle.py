@@ -1,0 +1,232 @@
+"""Lesson 07's exercise 1: settling a step (``update_from_output``), checked by serving two workloads with the
+learner's update inside the course's engine and comparing, property by property, with the scheduler's own.
+
+The two workloads: prompts sharing a prefix under tight memory (prefix-cache hits, preemption by recompute), and
+the same prompts fed a chunk at a time under a token budget of 6 (a sequence mid-prompt computes tokens but does
+not sample). What is compared: every token, the step that produced it and the step each request finished in, the
+sequences returned as finished step by step, the logits of every step, the prefix cache's hits and registered
+blocks, and the free blocks once everyone is done.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from lesson_utils.cache.paged import PagedKVCache
+from lesson_utils.core.progress import busy
+from lesson_utils.core.types import OutOfBlocks
+from lesson_utils.memory.sharing import SharingBlockManager
+from lesson_utils.serving.engine import Engine
+from lesson_utils.serving.model_runner import ModelRunner
+from lesson_utils.serving.token_budget import ChunkedPrefill
+
+from .core import CheckResult, failed, not_implemented, passed
+
+MAX_STEPS = 400
+CHUNK_BUDGET = 6
+
+
+def reference_update(scheduler, plan, output):
+    """The course's settlement (``FCFSScheduler.update_from_output``) with the exercise's signature."""
+    return scheduler.update_from_output(plan, output)
+
+
+class _LogitsRunner(ModelRunner):
+    """The model runner, keeping every step's logits: a wrong update can leave the tiny ci model's tokens unchanged
+    (its argmax rarely moves) while what the model computed under them is wrong."""
+
+    def __init__(self, w, cache):
+        super().__init__(w, cache)
+        self.logged: list[tuple[list[int], torch.Tensor]] = []
+
+    def logits(self, seqs, counts=None, rows=None):
+        out = super().logits(seqs, counts, rows)
+        self.logged.append(([s.seq_id for s in seqs], out.float().cpu()))
+        return out
+
+
+@dataclass(frozen=True)
+class _After:
+    """The state after one step: every request's computed count and tokens, who runs, what the prefix cache holds,
+    and what the update returned."""
+
+    computed: tuple[int, ...]
+    tokens: tuple[tuple[int, ...], ...]
+    running: frozenset
+    registered: frozenset
+    returned: tuple
+
+
+@dataclass
+class _Run:
+    steps: list[_After]
+    token_steps: list[list[int]]  # per request: the step that produced each token
+    finished_step: list[int | None]
+    hits: int  # prompt tokens served from the prefix cache
+    logits: list[tuple[list[int], torch.Tensor]]
+    free_blocks: int
+    num_blocks: int
+    timed_out: bool = False
+
+
+def _serve(w, update, prompts, num_blocks: int, chunked: bool) -> _Run:
+    manager = SharingBlockManager(num_blocks, 4, max_seq_len=w.max_positions)
+    cache = PagedKVCache.for_model(w, manager=manager)
+
+    def step_fn(scheduler, runner, step):  # the lesson's step, with ``update`` as its third line
+        plan = scheduler.schedule(step)
+        output = runner.execute(plan)
+        return plan, update(scheduler, plan, output)
+
+    engine = Engine(w, cache, step_fn=step_fn, chunked_prefill=ChunkedPrefill(CHUNK_BUDGET) if chunked else None)
+    engine.runner = runner = _LogitsRunner(w, cache)
+    seqs = [engine.add_request(p, 6) for p in prompts]  # the later prompts share the first's prefix
+    steps = []
+    while engine.scheduler.has_work:
+        done = engine.step()
+        returned = tuple(sorted(s.seq_id for s in done)) if isinstance(done, (list, tuple)) else (repr(done),)
+        steps.append(
+            _After(
+                tuple(s.num_computed for s in seqs),
+                tuple(tuple(s.output_ids) for s in seqs),
+                frozenset(s.seq_id for s in engine.scheduler.running),
+                frozenset(manager.pool.block_of),
+                returned,
+            )
+        )
+        if len(steps) > MAX_STEPS:
+            break
+    return _Run(
+        steps,
+        [list(s.token_steps) for s in seqs],
+        [s.finished_step for s in seqs],
+        manager.cached_prompt_tokens,
+        runner.logged,
+        manager.pool.num_free,
+        num_blocks,
+        timed_out=engine.scheduler.has_work,
+    )
+
+
+def _prompts(w) -> list[list[int]]:
+    g = torch.Generator().manual_seed(7)
+    shared = [w.bos_token_id] + torch.randint(4, w.vocab_size, (12,), generator=g).tolist()
+    return [shared + torch.randint(4, w.vocab_size, (n,), generator=g).tolist() for n in (1, 3, 6, 2)]
+
+
+def _step_difference(s: int, got: _After, ref: _After, where: str) -> str:
+    """What differs after step ``s``, as a question; "" when nothing does."""
+    if got.computed != ref.computed:
+        i = next(i for i, (a, b) in enumerate(zip(got.computed, ref.computed)) if a != b)
+        return (
+            f"{where}: after step {s} request {i} has computed {got.computed[i]} tokens; expected {ref.computed[i]}. "
+            "By how many tokens does each scheduled sequence's computed count advance in a step?"
+        )
+    if got.tokens != ref.tokens:
+        i = next(i for i, (a, b) in enumerate(zip(got.tokens, ref.tokens)) if a != b)
+        return (
+            f"{where}: after step {s} request {i} has generated {list(got.tokens[i])}; expected {list(ref.tokens[i])}. "
+            "Which sequences get a token this step (does one whose prompt chunk stops short?), and from which row "
+            "of the logits?"
+        )
+    if got.running != ref.running:
+        return (
+            f"{where}: after step {s} sequences {sorted(got.running)} are running; expected {sorted(ref.running)}. "
+            "Does every sequence that is finished once this step's tokens are in leave the running batch "
+            "(scheduler.finish)?"
+        )
+    if got.registered != ref.registered:
+        return (
+            f"{where}: after step {s} the prefix cache holds {len(got.registered)} registered blocks; expected "
+            f"{len(ref.registered)}. Is every scheduled sequence's full computed block registered every step - and "
+            "before a finished sequence's memory is given back?"
+        )
+    if got.returned != ref.returned:
+        return (
+            f"{where}: at step {s} your update returned {list(got.returned)} as finished; expected "
+            f"{list(ref.returned)}. In which step does a sequence finish, and what does the update return?"
+        )
+    return ""
+
+
+def _first_difference(got: _Run, ref: _Run, chunked: bool) -> str:
+    """What the learner's run got wrong, as a question; "" when nothing differs."""
+    where = (
+        f"with prompts fed a chunk at a time (a token budget of {CHUNK_BUDGET} per step)"
+        if chunked
+        else "with whole prompts that share a prefix"
+    )
+    for s, (g, r) in enumerate(zip(got.steps, ref.steps)):
+        problem = _step_difference(s, g, r, where)
+        if problem:
+            return problem
+    if got.timed_out:
+        return (
+            f"{where}: still running after {MAX_STEPS} steps: does every computed count advance, and does every "
+            "finished sequence leave the running batch (scheduler.finish)?"
+        )
+    if len(got.steps) != len(ref.steps):
+        return f"{where}: serving took {len(got.steps)} steps; expected {len(ref.steps)}. When does a sequence finish?"
+    if got.token_steps != ref.token_steps:
+        i = next(i for i, (a, b) in enumerate(zip(got.token_steps, ref.token_steps)) if a != b)
+        return (
+            f"{where}: the tokens are right, but request {i}'s tokens are stamped as produced at steps "
+            f"{got.token_steps[i]}; expected {ref.token_steps[i]}. Which step produced a token?"
+        )
+    if got.finished_step != ref.finished_step:
+        return (
+            f"{where}: the requests finished at steps {got.finished_step}; expected {ref.finished_step}. Which step "
+            "does a finished sequence record?"
+        )
+    if got.free_blocks != ref.free_blocks:
+        return (
+            f"{where}: once every request finished {got.num_blocks - got.free_blocks} blocks were still held "
+            f"(expected {got.num_blocks - ref.free_blocks}): does every finished sequence give its memory back?"
+        )
+    for (ids, g), (ref_ids, r) in zip(got.logits, ref.logits):
+        if ids != ref_ids or g.shape != r.shape or not torch.allclose(g, r, atol=1e-4, rtol=1e-4):
+            return (
+                f"{where}: the tokens are right, but the model computed other logits along the way: which sequences "
+                "did each step feed, and how far had each computed?"
+            )
+    return ""
+
+
+def check_update_from_output(fn, w) -> CheckResult:
+    """Exercise 07-1: the update that settles a step (computed counts, tokens, prefix cache, finished sequences)."""
+    name = "update_from_output"
+    prompts = _prompts(w)
+    checked = []
+    for chunked, num_blocks in ((False, 12), (True, 16)):
+        try:
+            with busy("checking your update: the course's engine, then the same engine with yours"):
+                ref = _serve(w, reference_update, prompts, num_blocks, chunked)
+                got = _serve(w, fn, prompts, num_blocks, chunked)
+        except NotImplementedError:
+            return not_implemented(name, reference_update)
+        except OutOfBlocks as err:
+            return failed(
+                name,
+                f"the engine ran out of blocks ({err}): does every finished sequence give its memory back?",
+                reference_update,
+            )
+        except Exception as err:  # noqa: BLE001
+            hint = (
+                " (with prompts fed a chunk at a time: which sequences get a token - does one whose prompt chunk "
+                "stops short? - and which row of the logits is whose?)"
+                if chunked
+                else ""
+            )
+            return failed(name, f"your update raised {type(err).__name__}: {err}{hint}", reference_update)
+        problem = _first_difference(got, ref, chunked)
+        if problem:
+            return failed(name, problem, reference_update)
+        checked.append(len(ref.steps))
+    return passed(
+        name,
+        f"the same tokens, token steps, finished sequences per step, logits, prefix-cache hits and free blocks as the "
+        f"course's update, over {checked[0]} steps of whole prompts and {checked[1]} steps of prompt chunks.",
+        fn,
+    )
