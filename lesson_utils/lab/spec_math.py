@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
+from lesson_utils.lab.t4_roofline import t4_step_roofline_s  # noqa: F401 - lesson 11 reads it here
 from lesson_utils.serving.speculative import acceptance_rate  # noqa: F401 - one formula, the simulator's too
 
 
@@ -94,14 +95,3 @@ class RecordedProposer:
     @property
     def __name__(self) -> str:
         return getattr(self.propose, "__name__", "proposer")
-
-
-T4_BYTES_PER_S = 320e9  # a T4's memory bandwidth (datasheet; reference/paper-numbers.md)
-T4_FP16_FLOPS = 65e12  # its fp16 tensor-core peak (datasheet)
-
-
-def t4_step_roofline_s(num_params: int, tokens_fed: int) -> tuple[float, float]:
-    """A prediction, not a measurement: the time a step feeding ``tokens_fed`` tokens needs on a T4 to read every
-    fp16 weight once and to do the weights' multiply-adds (2 FLOPs per parameter per token), at the datasheet's
-    peaks. The step takes at least the larger; launches, attention and Python are left out."""
-    return 2 * num_params / T4_BYTES_PER_S, 2 * num_params * tokens_fed / T4_FP16_FLOPS

@@ -145,6 +145,19 @@ def profile_decode_step(engine, model: torch.nn.Module, *, repeats: int = 5, cop
     )
 
 
+def prefilled_engine(make_engine: Callable[[], Any], prompt: list[int], k: int, repeats: int):
+    """A fresh engine from ``make_engine()`` holding ``k`` copies of ``prompt``, prefilled (each has its first token):
+    every step from here is a decode step of all ``k`` for ``repeats + 3`` steps. The engine must decode past eos."""
+    engine = make_engine()
+    for _ in range(k):
+        engine.add_request(list(prompt), repeats + 4)
+    while engine.scheduler.waiting or any(s.num_generated == 0 for s in engine.scheduler.running):
+        engine.step()  # admission and prefill; what follows are decode steps of all k sequences
+    if len(engine.scheduler.running) != k:
+        raise ValueError(f"the engine holds {len(engine.scheduler.running)} of {k} sequences: give it more memory")
+    return engine
+
+
 def time_decode_steps(
     make_engine: Callable[[], Any],
     prompt: list[int],
@@ -155,22 +168,31 @@ def time_decode_steps(
     progress: str | None = None,
 ) -> Measurement:
     """A decode step of ``k`` sequences for every ``k`` in ``sizes`` (variant ``str(k)``), each sequence with
-    ``prompt`` as its context, on ``device``: one engine per size from ``make_engine()`` (it must hold ``max(sizes)`` sequences of
-    ``len(prompt) + repeats + 4`` tokens and decode past eos), prefilled first, then its steps timed by
+    ``prompt`` as its context, on ``device``: one :func:`prefilled_engine` per size, then its steps timed by
     :func:`~lesson_utils.lab.timing.measure` - warm-up, alternating order, median and spread. The contexts grow by
     one token per step, the same for every size."""
     if not sizes or any(not isinstance(k, int) or k < 1 for k in sizes):
         raise ValueError(f"sizes must be positive ints, got {sizes!r}")
-    engines = {}
-    for k in sizes:
-        engine = make_engine()
-        for _ in range(k):
-            engine.add_request(list(prompt), repeats + 4)
-        while engine.scheduler.waiting or any(s.num_generated == 0 for s in engine.scheduler.running):
-            engine.step()  # admission and prefill; what follows are decode steps of all k sequences
-        if len(engine.scheduler.running) != k:
-            raise ValueError(f"the engine holds {len(engine.scheduler.running)} of {k} sequences: give it more memory")
-        engines[str(k)] = engine
+    engines = {str(k): prefilled_engine(make_engine, prompt, k, repeats) for k in sizes}
+    sync = _sync(torch.device(device))
+    return measure(
+        {name: e.step for name, e in engines.items()}, repeats=repeats, warmup=1, sync=sync, progress=progress
+    )
+
+
+def time_equal_steps(
+    make_engines: dict[str, Callable[[], Any]],
+    prompt: list[int],
+    k: int,
+    device: torch.device | str,
+    *,
+    repeats: int = 5,
+    progress: str | None = None,
+) -> Measurement:
+    """The same decode step - ``k`` sequences, each with ``prompt`` as its context - on every engine kind of
+    ``make_engines`` (variant = its name), timed alternately: what one memory layout costs against another at equal
+    batch size (lesson 07: the paged engine's gather against the naive engine's contiguous reads)."""
+    engines = {name: prefilled_engine(f, prompt, k, repeats) for name, f in make_engines.items()}
     sync = _sync(torch.device(device))
     return measure(
         {name: e.step for name, e in engines.items()}, repeats=repeats, warmup=1, sync=sync, progress=progress

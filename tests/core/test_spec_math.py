@@ -86,3 +86,17 @@ def test_the_t4_roofline_is_read_bound_for_a_small_model_at_few_tokens():
     read_s, math_s = t4_step_roofline_s(125_000_000, 9)
     assert read_s == pytest.approx(2 * 125e6 / 320e9) and math_s == pytest.approx(2 * 125e6 * 9 / 65e12)
     assert math_s < read_s
+
+
+def test_the_t4_decode_prediction_adds_up():
+    from lesson_utils.lab.t4_roofline import T4_BYTES_PER_S, compute_bound_from_tokens, t4_decode
+
+    p = t4_decode(125_000_000, 36_864, 16, 40, operators=500)
+    assert p.weights_s == pytest.approx(250e6 / T4_BYTES_PER_S)
+    assert p.kv_s == pytest.approx(16 * 40 * 36_864 / T4_BYTES_PER_S)
+    assert p.break_even_launch_s == pytest.approx(p.weights_s / 500)
+    assert p.bound_s == pytest.approx(p.weights_s + p.kv_s)  # 16 tokens: far below the compute-bound crossing
+    assert 190 < compute_bound_from_tokens() < 210
+    big = t4_decode(125_000_000, 36_864, 1000, 1, operators=500)
+    assert big.bound_s == pytest.approx(big.flops_s)  # 1000 tokens fed: the multiply-adds dominate
+    assert "PREDICTED for a T4" in p.text() and "not measured" in p.text()
