@@ -25,6 +25,7 @@ import torch
 from lesson_utils.cache.attention import decode_slot_index
 from lesson_utils.cache.seam import AttentionMetadata, StepBatch, mark_decodes
 from lesson_utils.core.host_copy import to_device
+from lesson_utils.core.types import Chunk
 from lesson_utils.memory.block_table import blocks_needed
 
 
@@ -99,14 +100,34 @@ def build_paged_metadata(
         meta.decode_tables = padded([tables[i] for i in decode.indices], device)
         meta.decode_lens = to_device([batch.context_lens[i] for i in decode.indices], torch.int32, device)
     if needs.whole_step:
-        starts = [0]
-        for n in batch.query_lens:
-            starts.append(starts[-1] + n)
         meta.padded_tables = padded(tables, device)
-        meta.query_start = to_device(starts, torch.int32, device)
-        meta.context_lens = to_device(batch.context_lens, torch.int32, device)
-        meta.max_query_len = max(batch.query_lens, default=0)
+        meta.query_start, meta.context_lens, meta.max_query_len = step_metadata(chunks_of(batch), device)
     return meta
+
+
+def chunks_of(batch: StepBatch) -> list[Chunk]:
+    """The step's work as lesson 08's scheduler hands it out: sequence ``i`` computes tokens ``context_lens[i] -
+    query_lens[i] .. context_lens[i] - 1``."""
+    return [Chunk(sid, c - q, c) for sid, q, c in zip(batch.seq_ids, batch.query_lens, batch.context_lens)]
+
+
+def step_metadata(chunks: list[Chunk], device) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """What the unified kernel (lesson 08) reads about a step, from its chunks in batch order (exercise 08-3):
+
+    - ``query_start``: int32 ``[len(chunks) + 1]`` on ``device``; chunk ``i``'s queries are rows ``query_start[i] ..
+      query_start[i + 1] - 1`` of the step's flat batch (vLLM's ``query_start_loc``);
+    - ``context_lens``: int32 ``[len(chunks)]``; the tokens sequence ``i`` holds once this step has written: its
+      chunk's end, the cached tokens included (vLLM's ``seq_lens``);
+    - ``max_query_len``: a host int, the longest chunk (the launch grid's size: the host must know it).
+    """
+    starts = [0]
+    for c in chunks:
+        starts.append(starts[-1] + c.end - c.start)
+    return (
+        to_device(starts, torch.int32, device),
+        to_device([c.end for c in chunks], torch.int32, device),
+        max((c.end - c.start for c in chunks), default=0),
+    )
 
 
 def _table_ids(tables, context_lens, skip: set[int], block_size: int, device) -> list[torch.Tensor | None]:

@@ -13,7 +13,7 @@ things change:
 from __future__ import annotations
 
 from lesson_utils.cache.paged import PagedKVCache
-from lesson_utils.cache.paged_metadata import MetadataNeeds
+from lesson_utils.cache.paged_metadata import MetadataNeeds, chunks_of
 from lesson_utils.kernels.paged_attention import paged_attention_decode, write_kv_to_cache
 from lesson_utils.kernels.unified_attention import unified_attention
 
@@ -51,10 +51,20 @@ class UnifiedTritonKVCache(PagedKVCache):
     """Lesson 08: the paged cache with ONE attention launch per layer for the whole step - prefill chunks and
     decodes alike - through :func:`~lesson_utils.kernels.unified_attention.unified_attention`."""
 
-    def __init__(self, *args, mask_fn=None, **kw):
+    def __init__(self, *args, mask_fn=None, metadata_fn=None, **kw):
         kw["batched_decode"] = False  # no separate decode path: every row goes to the one kernel
         super().__init__(*args, **kw)
         self.mask_fn = mask_fn
+        # exercise 08-3: a learner's step_metadata(chunks, device) -> (query_start, context_lens, max_query_len)
+        self.metadata_fn = metadata_fn
+
+    def prepare(self, batch) -> None:
+        super().prepare(batch)
+        if self.metadata_fn is not None:
+            meta = batch.meta
+            meta.query_start, meta.context_lens, meta.max_query_len = self.metadata_fn(
+                chunks_of(batch), self.k_cache[0].device
+            )
 
     @property
     def metadata_needs(self) -> MetadataNeeds:

@@ -3,15 +3,14 @@
 from __future__ import annotations
 
 import copy
-import itertools
 import math
 import random
 
-import numpy as np
 import torch
 
 from lesson_utils.cache import attention
-from lesson_utils.kernels import unified_attention as U
+from lesson_utils.cache.paged_metadata import step_metadata
+from lesson_utils.core.types import is_int
 from lesson_utils.serving.token_budget import Chunk, TokenState, budgeted_schedule
 
 from .core import (
@@ -280,67 +279,88 @@ def check_chunk_attention(fn) -> CheckResult:
     )
 
 
-# ---- exercise 08-3: the kernel's causal mask ------------------------------------------------------------------
-
-
-def _kernel_case(seed, qlens, ctxs, *, block_size=4, heads=2, kv_heads=1, d=16):
-    g = torch.Generator().manual_seed(seed)
-    maxb = max(-(-c // block_size) for c in ctxs)
-    nb = len(qlens) * maxb + 2
-    kc = torch.randn(nb, block_size, kv_heads, d, generator=g)
-    vc = torch.randn(nb, block_size, kv_heads, d, generator=g)
-    tables = torch.randperm(nb, generator=g)[: len(qlens) * maxb].view(len(qlens), maxb).int()
-    q = torch.randn(sum(qlens), heads, d, generator=g)
-    starts = torch.tensor([0, *itertools.accumulate(qlens)], dtype=torch.int32)
+# ---- exercise 08-3: a step's chunks as the unified kernel's metadata -------------------------------------------
+def _metadata_cases() -> list[tuple]:
+    """Decodes, whole prompts, chunks that start after cached tokens (an earlier chunk or the prefix cache), mixed
+    steps in scheduler order, a chunk of one that ends a prompt, seq ids out of order, and an empty step."""
     dev = case_device()
-    args = tuple(t.to(dev) for t in (q, kc, vc, tables, starts, torch.tensor(ctxs, dtype=torch.int32)))
-    return args + (max(qlens),)
-
-
-def check_causal_mask(fn) -> CheckResult:
-    """Exercise 08-3: which keys a query tile sees, inside the unified kernel."""
-    name = "causal_mask"
     cases = [
-        ("decodes", "one query per sequence, at its last position: it sees every key", _kernel_case(1, [1, 1], [9, 4])),
-        ("a whole prompt", "a 7-token prompt in one chunk", _kernel_case(2, [7], [7])),
-        ("a chunk after cached tokens", "a chunk of 5 after 6 cached tokens", _kernel_case(3, [5], [11])),
-        ("mixed", "chunks and decodes in one launch", _kernel_case(4, [3, 1, 8], [3, 13, 10])),
+        [Chunk(0, 9, 10), Chunk(1, 4, 5)],  # two decodes
+        [Chunk(3, 0, 7)],  # a whole prompt
+        [Chunk(5, 16, 24)],  # a chunk after 16 cached tokens
+        [Chunk(2, 30, 31), Chunk(0, 12, 13), Chunk(7, 8, 20), Chunk(4, 0, 5)],  # decodes, a chunk, a new prompt
+        [Chunk(1, 40, 41), Chunk(6, 32, 33)],  # a prompt's last token (a chunk of one) beside a decode
+        [],  # nothing runs
     ]
-    for label, what, case in cases:
-        q, kc, vc, tables, starts, ctx, mq = case
-        want = attention.unified_attention_reference(q, kc, vc, tables, starts, ctx)
-        try:
-            with np.errstate(all="ignore"):
-                got = U.unified_attention(q, kc, vc, tables, starts, ctx, mq, mask_fn=fn)
-        except NotImplementedError:
-            return not_implemented(name, U.causal_mask)
-        except Exception as err:  # noqa: BLE001 - compile or runtime errors become feedback
-            if "NotImplementedError" in repr(err) or "not solved yet" in str(err):
-                return not_implemented(name, U.causal_mask)
-            return failed(
-                name,
-                f"case '{label}' ({what}): the kernel raised {type(err).__name__}: {str(err)[:400]}",
-                U.causal_mask,
-            )
-        if not torch.isfinite(got).all():
-            return failed(
-                name,
-                f"case '{label}' ({what}): the output has inf/nan values - does every query see at least one key "
-                "(itself)?",
-                U.causal_mask,
-            )
-        err = (got - want).abs()
-        if err.max() > 1e-4:
-            row = int((err.flatten(1).amax(1) > 1e-4).nonzero()[0, 0])
-            seq = int(torch.searchsorted(starts.cpu(), torch.tensor(row), right=True)) - 1
-            pos = int(ctx[seq]) - (int(starts[seq + 1]) - row)
-            return failed(
-                name,
-                f"case '{label}' ({what}): max abs error {err.max():.3g} vs the torch reference, first at the query "
-                f"at position {pos} of a {int(ctx[seq])}-token sequence - which keys may that query use?",
-                U.causal_mask,
-            )
-    result = passed(
-        name, f"the unified kernel built with it matches the torch reference on all {len(cases)} cases.", fn
+    rng = random.Random(83)
+    for _ in range(6):
+        n = rng.randrange(1, 7)
+        chunks = []
+        for sid in rng.sample(range(40), n):
+            start = rng.choice([0, rng.randrange(1, 300)])
+            chunks.append(Chunk(sid, start, start + rng.choice([1, 1, rng.randrange(2, 90)])))
+        cases.append(chunks)
+    return [(c, dev) for c in cases]
+
+
+def _metadata_equal(expected, got) -> bool:
+    if not isinstance(got, tuple) or len(got) != 3:
+        return False
+    (qs, cl, mq), (gqs, gcl, gmq) = expected, got
+    tensors_ok = all(
+        isinstance(g, torch.Tensor) and g.dtype == torch.int32 and g.device == e.device and g.shape == e.shape
+        for g, e in ((gqs, qs), (gcl, cl))
     )
-    return result
+    return tensors_ok and torch.equal(gqs, qs) and torch.equal(gcl, cl) and is_int(gmq) and gmq == mq
+
+
+def _metadata_hint(case, expected, got) -> str:
+    chunks, dev = case
+    if not isinstance(got, tuple) or len(got) != 3:
+        return "return a tuple of three: (query_start, context_lens, max_query_len)"
+    qs, cl, mq = got
+    if not all(isinstance(t, torch.Tensor) for t in (qs, cl)):
+        return "query_start and context_lens are tensors the kernel reads (torch.tensor(..., dtype=..., device=...))"
+    if qs.dtype != torch.int32 or cl.dtype != torch.int32:
+        return (
+            f"your tensors are {qs.dtype} and {cl.dtype}: the kernel loads them as 32-bit ints - what does it read "
+            "from a 64-bit tensor?"
+        )
+    if qs.device != expected[0].device or cl.device != expected[0].device:
+        return f"the kernel reads them on {expected[0].device}: where did you make them?"
+    lens = [c.end - c.start for c in chunks]
+    if qs.numel() == len(chunks):
+        return (
+            f"{len(chunks)} chunks need {len(chunks) + 1} query starts: where do chunk 0's rows start, and where do the "
+            "last chunk's end?"
+        )
+    if cl.numel() == len(chunks) and cl.tolist() == lens:
+        return (
+            "your context_lens are the chunks' lengths: how many tokens does a sequence hold once this step has "
+            "written - its cached tokens included?"
+        )
+    if cl.numel() == len(chunks) and cl.tolist() == [c.start for c in chunks]:
+        return "your context_lens leave out this step's own tokens: they are written before the kernel runs"
+    if qs.tolist() != expected[0].tolist():
+        return "query_start counts rows of the step's flat batch: how many rows does each chunk add?"
+    if not is_int(mq):
+        return "max_query_len sizes the launch grid on the host: a Python int, not a tensor"
+    if mq == sum(lens):
+        return (
+            "max_query_len is the longest chunk, not the step's total: the grid has one row of programs per tile of it"
+        )
+    return ""
+
+
+def check_step_metadata(fn) -> CheckResult:
+    """Exercise 08-3: query_start, context_lens and max_query_len from a step's chunks (what the kernel reads)."""
+    return check_function(
+        "step_metadata",
+        fn,
+        step_metadata,
+        _metadata_cases(),
+        equal=_metadata_equal,
+        show_input=lambda c: f"chunks {short(c[0])}, device {c[1]}",
+        explain=_metadata_hint,
+        arg_names=("chunks", "device"),
+    )

@@ -69,6 +69,16 @@ class SequenceStatus(Enum):
     DROPPED = "dropped"  # a beam its group did not keep; its memory is free
 
 
+@dataclass(frozen=True)
+class Chunk:
+    """Tokens ``start .. end - 1`` of sequence ``seq_id`` run this step (``end - start`` of the step's token budget:
+    lesson 08's scheduler hands a step out as chunks, and its kernel reads them as ``query_start`` / ``context_lens``)."""
+
+    seq_id: int
+    start: int
+    end: int
+
+
 @dataclass
 class Request:
     """One request: when it arrives, how long its prompt is, how many tokens it will generate.

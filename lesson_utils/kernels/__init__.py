@@ -22,4 +22,13 @@ def source_of(fn) -> str:
     return inspect.getsource(getattr(fn, "fn", fn))
 
 
-__all__ = ["paged_attention_decode", "source_of", "write_kv_to_cache"]
+def source_lines(fn, first: str, last: str) -> str:
+    """The lines of :func:`source_of` ``fn`` from the first that contains ``first`` to the next that contains
+    ``last`` (both included): the part of a kernel a lesson is about, verbatim."""
+    lines = source_of(fn).splitlines()
+    a = next(i for i, line in enumerate(lines) if first in line)
+    b = next(i for i in range(a, len(lines)) if last in lines[i])
+    return "\n".join(lines[a : b + 1])
+
+
+__all__ = ["paged_attention_decode", "source_lines", "source_of", "write_kv_to_cache"]

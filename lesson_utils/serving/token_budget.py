@@ -23,7 +23,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Callable
 
-from lesson_utils.core.types import is_int
+from lesson_utils.core.types import Chunk, is_int
 
 
 @dataclass(frozen=True)
@@ -75,15 +75,6 @@ class QueueView(abc.Sequence):
 
     def __repr__(self) -> str:
         return f"QueueView({list(self)!r})" if len(self) <= 8 else f"QueueView(<{len(self)} waiting>)"
-
-
-@dataclass(frozen=True)
-class Chunk:
-    """Tokens ``start .. end - 1`` of sequence ``seq_id`` run this step (``end - start`` of the budget)."""
-
-    seq_id: int
-    start: int
-    end: int
 
 
 def whole_prompts(

@@ -6,13 +6,10 @@ import math
 
 import pytest
 import torch
-import triton
-import triton.language as tl
 from helpers import rejected
 
 from lesson_utils.cache import attention
 from lesson_utils.checks import lesson08
-from lesson_utils.kernels.unified_attention import causal_mask
 from lesson_utils.serving.token_budget import Chunk, budgeted_schedule
 
 pytestmark = pytest.mark.usefixtures("not_strict")
@@ -21,7 +18,6 @@ pytestmark = pytest.mark.usefixtures("not_strict")
 def test_the_references_pass():
     assert lesson08.check_budgeted_schedule(budgeted_schedule).passed
     assert lesson08.check_chunk_attention(attention.chunk_attention).passed
-    assert lesson08.check_causal_mask(causal_mask).passed
 
 
 def test_unsolved_exercises_say_so():
@@ -219,46 +215,113 @@ def test_wrong_chunk_attention_is_rejected(fn, needle):
 # ---- 08-3 ---------------------------------------------------------------------------------------------------
 
 
-@triton.jit
-def sees_everything(query_pos, key_pos, context_len):
-    return (key_pos[None, :] < context_len) & (query_pos[:, None] >= 0)
+def _starts(chunks):
+    out = [0]
+    for c in chunks:
+        out.append(out[-1] + c.end - c.start)
+    return out
 
 
-@triton.jit
-def not_itself(query_pos, key_pos, context_len):
-    return (key_pos[None, :] < query_pos[:, None]) & (key_pos[None, :] < context_len)
+def _meta(starts, lens, mq, device, dtype=torch.int32):
+    return torch.tensor(starts, dtype=dtype, device=device), torch.tensor(lens, dtype=dtype, device=device), mq
 
 
-@triton.jit
-def wrong_shape(query_pos, key_pos, context_len):
-    return key_pos < tl.max(query_pos, 0) + context_len * 0
+def lens_as_context(chunks, device):  # the chunk's length where the sequence's length belongs
+    return _meta(
+        _starts(chunks), [c.end - c.start for c in chunks], max((c.end - c.start for c in chunks), default=0), device
+    )
 
 
-@triton.jit
-def future_only(query_pos, key_pos, context_len):
-    return (key_pos[None, :] >= query_pos[:, None]) & (key_pos[None, :] < context_len)
+def starts_as_context(chunks, device):  # leaves out this step's own tokens
+    return _meta(_starts(chunks), [c.start for c in chunks], max((c.end - c.start for c in chunks), default=0), device)
 
 
-@triton.jit
-def transposed(query_pos, key_pos, context_len):
-    return (key_pos[:, None] <= query_pos[None, :]) & (key_pos[:, None] < context_len)
+def no_leading_zero(chunks, device):
+    return _meta(
+        _starts(chunks)[1:], [c.end for c in chunks], max((c.end - c.start for c in chunks), default=0), device
+    )
 
 
-@triton.jit
-def chunk_relative(query_pos, key_pos, context_len):  # positions counted from the chunk's first query
-    return key_pos[None, :] <= query_pos[:, None] - tl.min(query_pos, 0)
+def int64(chunks, device):
+    return _meta(
+        _starts(chunks), [c.end for c in chunks], max((c.end - c.start for c in chunks), default=0), device, torch.long
+    )
+
+
+def total_as_max(chunks, device):
+    return _meta(_starts(chunks), [c.end for c in chunks], sum(c.end - c.start for c in chunks), device)
+
+
+def tensor_max(chunks, device):
+    m = max((c.end - c.start for c in chunks), default=0)
+    return _meta(_starts(chunks), [c.end for c in chunks], torch.tensor(m), device)
+
+
+def positions_as_starts(chunks, device):  # query_start from the chunks' positions in their sequences
+    return _meta(
+        [c.start for c in chunks] + [chunks[-1].end if chunks else 0],
+        [c.end for c in chunks],
+        max((c.end - c.start for c in chunks), default=0),
+        device,
+    )
+
+
+def lists(chunks, device):
+    s, c, m = lens_as_context(chunks, device)
+    return _starts(chunks), [c.end for c in chunks], max((c.end - c.start for c in chunks), default=0)
+
+
+def test_the_step_metadata_reference_passes_and_matches_the_engines_own():
+    from lesson_utils.cache.paged_metadata import step_metadata
+
+    assert lesson08.check_step_metadata(step_metadata).passed
 
 
 @pytest.mark.parametrize(
     "fn, needle",
     [
-        (sees_everything, "which keys may that query use"),
-        (not_itself, "which keys may that query use"),
-        (future_only, "case"),
-        (transposed, "case"),
-        (chunk_relative, "which keys may that query use"),
-        (wrong_shape, "case"),
+        (lens_as_context, "its cached tokens included"),
+        (starts_as_context, "leave out this step's own tokens"),
+        (no_leading_zero, "query starts"),
+        (int64, "32-bit ints"),
+        (total_as_max, "the longest chunk"),
+        (tensor_max, "a Python int"),
+        (positions_as_starts, "flat batch"),
+        (lists, "tensors the kernel reads"),
     ],
 )
-def test_wrong_masks_are_rejected(fn, needle):
-    assert rejected(lesson08.check_causal_mask(fn), needle)
+def test_wrong_step_metadata_is_rejected(fn, needle):
+    assert rejected(lesson08.check_step_metadata(fn), needle)
+
+
+def test_the_unified_cache_serves_with_a_learners_metadata(tiny):
+    from lesson_utils.cache.paged_metadata import step_metadata
+    from lesson_utils.cache.triton_paged import UnifiedTritonKVCache
+    from lesson_utils.memory.sharing import SharingBlockManager
+    from lesson_utils.serving.engine import Engine
+    from lesson_utils.serving.token_budget import ChunkedPrefill
+
+    _, w = tiny
+    calls = []
+
+    def spy(chunks, device):
+        calls.append(list(chunks))
+        return step_metadata(chunks, device)
+
+    def serve(fn):
+        cache = UnifiedTritonKVCache.for_model(
+            w, manager=SharingBlockManager(16, 4, max_seq_len=w.max_positions), metadata_fn=fn
+        )
+        return Engine(w, cache, chunked_prefill=ChunkedPrefill(6)).generate([[1, 5, 6, 7, 8, 9, 10, 11], [1, 5, 6]], 2)
+
+    assert serve(spy) == serve(None) and calls  # the learner's metadata is what the kernel reads
+    assert any(c.start > 0 and c.end - c.start > 1 for step in calls for c in step)  # a chunk after cached tokens
+    assert rejected_engine_metadata(serve)
+
+
+def rejected_engine_metadata(serve):
+    """A wrong context_lens changes what the kernel computes (so the hook is really used)."""
+    try:
+        return serve(lens_as_context) != serve(None)
+    except Exception:  # noqa: BLE001 - the kernel may refuse the wrong lengths outright
+        return True
