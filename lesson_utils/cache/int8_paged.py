@@ -10,8 +10,9 @@ what changes is what a slot holds. Per layer:
 Invariant: for every written slot, ``v_cache[slot] * v_scale[slot]`` is :func:`~lesson_utils.cache.quantize.
 quantize_kv`'s round trip of the V written there (K alike); the values are never changed in place afterwards.
 
-``write`` quantizes (``quantize_fn``: the course's, or a learner's exercise 10-1) and refuses a non-finite vector
-naming the layer and slot. That check reads one flag per layer back from the device, so it is on by default only
+``write`` quantizes (``quantize_fn``: the course's, or a learner's exercise 10-1, which then writes on the kernel
+path too, where the course's own quantizer is the Triton write kernel) and refuses a non-finite vector naming the
+layer and slot. That check reads one flag per layer back from the device, so it is on by default only
 off the kernel path (a CPU); on a GPU it would be a wait per layer, and there a NaN is caught one step later
 instead, when the engine reads the logits (``sampling.next_tokens`` refuses non-finite rows, naming the sequence,
 in the read it makes anyway). ``check_finite=True`` restores the per-layer check anywhere. ``attend`` dequantizes what it gathers and
@@ -90,7 +91,7 @@ class Int8PagedKVCache(PagedKVCache):
     def write(self, layer, batch, k, v):
         if self.check_finite:
             self._refuse_non_finite(layer, batch, k, v)
-        if self.use_kernels:
+        if self.use_kernels and self.quantize_fn is quantize_kv:  # a learner's quantizer writes on every path
             write_int8_kv_to_cache(
                 k, v, self.k_cache[layer], self.v_cache[layer], self.k_scale[layer], self.v_scale[layer],
                 batch.meta.slots_i32, validate=False,

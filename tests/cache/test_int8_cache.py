@@ -257,3 +257,19 @@ def test_a_cpu_write_checks_finiteness_once_per_layer():
     cache.quantize_fn = lambda x: (seen.append(x.shape), Q.quantize_kv(x))[1]
     cache.write(0, batch, k, k)
     assert len(seen) == 2
+
+
+def test_a_learners_quantizer_writes_on_the_kernel_path_too(tiny, plain):
+    """Issue 35: the lesson's caches take the learner's exercise 10-1 on every path; with the kernels on, the
+    learner's function (not the course's Triton write kernel) quantizes, and decodes still read through the kernel."""
+    model, w = tiny
+    prompts, want = plain
+    seen = []
+    cache = Int8PagedKVCache.for_model(
+        w, 40, 8, use_kernels=True, quantize_fn=lambda x: (seen.append(tuple(x.shape)), Q.quantize_kv(x))[1]
+    )
+    got = Engine(w, cache).generate(prompts[:1], 6)
+    assert len(seen) >= 2 * w.num_layers * 6  # K and V, every layer, the prefill and each decode
+    from helpers import assert_identical
+
+    assert_identical(model, prompts[:1], [want[0][:6]], got)
