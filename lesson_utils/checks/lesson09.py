@@ -1,4 +1,4 @@
-"""Checkers for lesson 09 (disaggregated prefill: the transfer plan, packing, adoption)."""
+"""Checkers for lesson 09 (disaggregated prefill: the transfer plan, packing, back-pressure)."""
 
 from __future__ import annotations
 
@@ -9,14 +9,8 @@ import torch
 from lesson_utils.cache.block_copy import pack_blocks, unpack_blocks
 from lesson_utils.core.types import OutOfBlocks
 from lesson_utils.disagg.transfer import TransferPlan, transfer_plan
-from lesson_utils.memory.block_manager import BlockManager
-from lesson_utils.memory.block_table import BlockTable
 
 from .core import CheckResult, call_learner, case_device, failed, not_implemented, passed, short
-
-
-def _reference_adopt(manager, seq_id, blocks, num_tokens):
-    return manager.adopt(seq_id, blocks, num_tokens)
 
 
 class _Allocator:
@@ -311,84 +305,6 @@ def _refusals(name, pack_fn, unpack_fn) -> CheckResult | None:
     return None
 
 
-def _manager():
-    m = BlockManager(8, 4, watermark=0.0)
-    m.ensure_capacity(100, 5)  # another request already holds blocks 0, 1
-    return m
+from .back_pressure import check_make_room  # noqa: E402 - exercise 09-3, in its own module
 
-
-def check_adopt(fn) -> CheckResult:
-    """Exercise 09-3: the decode worker's block table for blocks it received."""
-    name = "adopt"
-    m = _manager()
-    blocks = [m.allocate_block() for _ in range(3)][::-1]
-    given = list(blocks)
-    got, problem = _run(fn, name, _reference_adopt, "adopting 3 blocks holding 10 tokens", m, 7, given, 10)
-    if problem is not None:
-        return problem
-    table = m.table_of(7)
-    if table is None:
-        return failed(
-            name,
-            "after adopting, sequence 7 has no table in the manager (manager.tables[7]): the manager must know it",
-            _reference_adopt,
-        )
-    if not isinstance(got, BlockTable) or got is not table:
-        return failed(
-            name, f"return the BlockTable the manager now holds for the sequence; got {short(got)}", _reference_adopt
-        )
-    if table.blocks != blocks or table.num_tokens != 10:
-        return failed(
-            name,
-            f"the table holds blocks {table.blocks} with {table.num_tokens} tokens; expected {blocks} with 10 "
-            "(the received blocks, in order, and the tokens they hold - not their capacity)",
-            _reference_adopt,
-        )
-    given.append(99)
-    if table.blocks != blocks:
-        return failed(
-            name, "changing the list you were given changed the table: the table needs its own list", _reference_adopt
-        )
-    try:
-        m.check_invariants()
-    except AssertionError as err:
-        return failed(name, f"the manager's invariants broke: {err}", _reference_adopt)
-    other = m.block_table(100)[1]  # a block the other request holds
-    refusals = [
-        ("adopting sequence 7 again", lambda mm: (mm, 7, [mm.allocate_block()], 2)),
-        ("3 blocks for 2 tokens", lambda mm: (mm, 8, [mm.allocate_block() for _ in range(3)], 2)),
-        ("a free block (the second of two)", lambda mm: (mm, 9, [mm.allocate_block(), _free_block(mm)], 5)),
-        ("a block another request holds (the second of two)", lambda mm: (mm, 10, [mm.allocate_block(), other], 5)),
-        ("the same block twice", lambda mm: (mm, 11, [b := mm.allocate_block(), b], 5)),
-        ("0 tokens in no blocks", lambda mm: (mm, 12, [], 0)),
-        ("-4 tokens", lambda mm: (mm, 13, [mm.allocate_block()], -4)),
-    ]
-    for what, make in refusals:
-        mm = copy.deepcopy(m)
-        args = make(mm)
-        before = (mm.tables_now(), mm.num_free_blocks)
-        try:
-            fn(*args)
-        except NotImplementedError:
-            return not_implemented(name, _reference_adopt)
-        except ValueError:
-            after = (mm.tables_now(), mm.num_free_blocks)
-            if after != before:
-                return failed(
-                    name,
-                    f"{what}: you raised, but the tables changed first - a refusal changes nothing",
-                    _reference_adopt,
-                )
-            continue
-        except Exception as err:  # noqa: BLE001
-            return failed(name, f"{what}: expected ValueError, got {type(err).__name__}: {err}", _reference_adopt)
-        return failed(
-            name,
-            f"{what} was accepted: which invariant of the block manager would that break? Refuse it with a ValueError",
-            _reference_adopt,
-        )
-    return passed(name, "the table, its own list of blocks, the manager's invariants, and seven refusals.", fn)
-
-
-def _free_block(m) -> int:
-    return next(b for b in range(m.num_blocks) if m.block_is_free(b))
+__all__ = ["check_make_room", "check_pack_blocks", "check_transfer_plan"]

@@ -26,7 +26,7 @@ from typing import Callable
 import torch
 
 from lesson_utils.cache.block_copy import pack_blocks, unpack_blocks
-from lesson_utils.core.types import Request, Sequence, SequenceStatus
+from lesson_utils.core.types import OutOfBlocks, Request, Sequence, SequenceStatus
 from lesson_utils.disagg.transfer import transfer_plan
 from lesson_utils.memory.block_table import blocks_needed
 from lesson_utils.serving.engine import Engine
@@ -60,6 +60,31 @@ def _payloads(payload, kinds) -> list[torch.Tensor]:
 
 def _adopt(manager, seq_id: int, blocks: list[int], num_tokens: int):
     return manager.adopt(seq_id, blocks, num_tokens)
+
+
+def make_room(engine, num_blocks: int, on_step: Callable | None = None) -> list[Sequence]:
+    """Decode side, before a transfer of ``num_blocks`` blocks is taken in (exercise 09-3): back-pressure. While
+    fewer blocks are free, the engine decodes on - its finished requests give their blocks back - and ``on_step``
+    (if given) gets what each step returned; returns every sequence that finished meanwhile. A transfer that can
+    never fit (more blocks than the cache has) is refused with a ``ValueError`` before any step; with nothing left
+    to decode no block can come free, so a shortfall then is an ``OutOfBlocks``, not a wait without end."""
+    manager = engine.manager
+    if num_blocks > manager.num_blocks:
+        raise ValueError(
+            f"a transfer of {num_blocks} blocks can never fit this decode cache of {manager.num_blocks} blocks"
+        )
+    finished: list[Sequence] = []
+    while manager.num_free_blocks < num_blocks:
+        if not engine.scheduler.has_work:
+            raise OutOfBlocks(
+                f"{manager.num_free_blocks} blocks free for a transfer of {num_blocks}, and nothing is decoding: "
+                "no block will come free"
+            )
+        done = engine.step()
+        if on_step is not None:
+            on_step(done)
+        finished += done
+    return finished
 
 
 def finishes_at_once(prefilled: Prefilled, eos_token_id: int | None) -> bool:
@@ -108,9 +133,11 @@ def receive(
     plan_fn: Callable = transfer_plan,
     unpack_fn: Callable = unpack_blocks,
     adopt_fn: Callable = _adopt,
+    make_room_fn: Callable = make_room,
 ) -> Sequence:
-    """Decode side: the request joins ``engine``'s running batch with its K/V (``payload``, from a pack) in blocks
-    of its own, and its first token already generated. Returns its :class:`~lesson_utils.core.types.Sequence`; one
+    """Decode side: once ``make_room_fn(engine, blocks)`` has made room (back-pressure: :func:`make_room`), the
+    request joins ``engine``'s running batch with its K/V (``payload``, from a pack) in blocks of its own, and its
+    first token already generated. Returns its :class:`~lesson_utils.core.types.Sequence`; one
     that is already finished is returned as such, holding no block, and is never decoded. On any error every
     block taken here is given back before the error is raised."""
     req = prefilled.request
@@ -122,6 +149,7 @@ def receive(
         return seq
     manager, cache = engine.manager, engine.cache
     payloads = _payloads(payload, cache.slot_tensors)
+    make_room_fn(engine, len(prefilled.blocks))
     plan = plan_fn(
         req.req_id, prefilled.blocks, req.prompt_len, manager.block_size, manager.allocate_block, manager.free_block
     )
@@ -150,6 +178,7 @@ def hand_over(
     pack_fn: Callable = pack_blocks,
     unpack_fn: Callable = unpack_blocks,
     adopt_fn: Callable = _adopt,
+    make_room_fn: Callable = make_room,
 ) -> Sequence:
     """Both halves in one process: prefill ``request`` on the ``prefill`` engine (:func:`prefill_engine`), pack its
     blocks, receive them into ``decode_engine`` (:func:`receive`), and release the prefill side's blocks whatever
@@ -174,6 +203,7 @@ def hand_over(
             plan_fn=plan_fn,
             unpack_fn=unpack_fn,
             adopt_fn=adopt_fn,
+            make_room_fn=make_room_fn,
         )
     finally:
         prefill.scheduler.release(request.req_id)

@@ -30,6 +30,22 @@ class DisaggResult:
     warmup_s: dict[str, float] = field(default_factory=dict)  # each worker's warm-up request ({} without one)
     warm_before_start: bool = True  # every warm-up ended before the clock started
     exit_codes: dict[str, int | None] = field(default_factory=dict)  # each worker's; 0 is a clean end
+    prefill_began: dict[int, float] = field(default_factory=dict)  # when its prefill started (seconds after start)
+    prefill_s: dict[int, float] = field(default_factory=dict)  # its prefill, first token included
+
+    def ttft_parts(self, req_id: int, arrival_s: float) -> dict[str, float]:
+        """Request ``req_id``'s time to first token (arrived ``arrival_s`` after the start) as the workers timed it:
+        queue (arrival to prefill start), prefill, staging, transfer, unpack, and the rest - the decode worker
+        finishing the step it was in, or waiting for blocks to free (back-pressure), before it took the request."""
+        parts = {
+            "queue": self.prefill_began[req_id] - arrival_s,
+            "prefill": self.prefill_s[req_id],
+            "staging": self.pack_s[req_id],
+            "transfer": self.recv_s[req_id],
+            "unpack": self.unpack_s[req_id],
+        }
+        parts["decode side's wait"] = self.token_times[req_id][0] - arrival_s - sum(parts.values())
+        return parts
 
     def handover_s(self, req_id: int) -> float:
         """Staging + transfer + unpack of one request, in seconds."""
@@ -52,6 +68,8 @@ class _Collected:
     unpack_s: dict = field(default_factory=dict)
     warmup_s: dict = field(default_factory=dict)
     warm_end: float = 0.0  # the wall time the last warm-up ended
+    prefill_began: dict = field(default_factory=dict)  # wall times
+    prefilled_at: dict = field(default_factory=dict)
 
     def take(self, msg) -> None:
         kind = msg[0]
@@ -61,6 +79,7 @@ class _Collected:
             self.outputs[msg[1]], self.token_times[msg[1]] = msg[2], msg[3]
         elif kind == "sent":
             self.sizes[msg[1]], self.send_s[msg[1]], self.pack_s[msg[1]] = msg[2], msg[3], msg[4]
+            self.prefill_began[msg[1]], self.prefilled_at[msg[1]] = msg[5], msg[6]
         elif kind == "received":
             self.recv_s[msg[1]], self.unpack_s[msg[1]] = msg[3], msg[4]
         elif kind == "warmed":
@@ -179,6 +198,8 @@ def run_disaggregated(
         got.warmup_s,
         got.warm_end <= got.start,
         {n: p.exitcode for n, p in procs.items()},
+        {rid: t - got.start for rid, t in got.prefill_began.items()},
+        {rid: got.prefilled_at[rid] - t for rid, t in got.prefill_began.items()},
     )
 
 

@@ -152,7 +152,9 @@ def prefill_worker(rank: int, cfg: DisaggConfig, requests: list[tuple], results,
             wait = t0 + (arrival[0] if arrival else 0.0) - time.time()
             if wait > 0:
                 time.sleep(wait)
+            began = time.time()  # the prefill starts: the request's wait in the queue ends
             done = prefill_request(engine, Request(req_id, 0.0, len(prompt), max_new, prompt_ids=list(prompt)))
+            prefilled_at = time.time()
             t_pack = time.perf_counter()
             packed = _to_host(pack_blocks(cache.k_cache, cache.v_cache, done.blocks))
             t_send = time.perf_counter()
@@ -160,7 +162,17 @@ def prefill_worker(rank: int, cfg: DisaggConfig, requests: list[tuple], results,
             send(torch.tensor(list(done.blocks) + list(prompt), dtype=torch.int64))
             send(packed)
             now = time.perf_counter()
-            results.put(("sent", req_id, packed.numel() * packed.element_size(), now - t_send, t_send - t_pack))
+            results.put(
+                (
+                    "sent",
+                    req_id,
+                    packed.numel() * packed.element_size(),
+                    now - t_send,
+                    t_send - t_pack,
+                    began,
+                    prefilled_at,
+                )
+            )
             engine.scheduler.release(req_id)
         send(torch.tensor([END, 0, 0, 0, 0], dtype=torch.int64))
         results.put(("prefill done", manager.num_free_blocks == cfg.num_blocks))
@@ -212,7 +224,7 @@ def decode_worker(rank: int, cfg: DisaggConfig, results, faults: Faults = NO_FAU
     import threading
 
     from lesson_utils.core.types import Request
-    from lesson_utils.disagg.handover import Prefilled, finishes_at_once, receive
+    from lesson_utils.disagg.handover import Prefilled, finishes_at_once, make_room, receive
     from lesson_utils.serving.engine import Engine
 
     manager = None
@@ -250,9 +262,8 @@ def decode_worker(rank: int, cfg: DisaggConfig, results, faults: Faults = NO_FAU
                 num_blocks = payload.shape[2]
                 request = Request(req_id, 0.0, num_tokens, max_new, prompt_ids=meta[num_blocks:].tolist())
                 prefilled = Prefilled(request, first, meta[:num_blocks].tolist())
-                if not finishes_at_once(prefilled, eos):
-                    while manager.num_free_blocks < num_blocks and engine.scheduler.has_work:
-                        _report(results, engine.step(), step_times, adopted_at)  # finished requests free blocks
+                if not finishes_at_once(prefilled, eos):  # back-pressure: decode on until its blocks are free
+                    make_room(engine, num_blocks, on_step=lambda done: _report(results, done, step_times, adopted_at))
                 t_unpack = time.perf_counter()
                 seq = receive(engine, prefilled, payload, eos_token_id=eos)
                 if k0.is_cuda:  # the writes into the cache are queued: the unpack ends when they are done

@@ -10,7 +10,6 @@ from lesson_utils.cache.block_copy import pack_blocks, unpack_blocks
 from lesson_utils.checks import lesson09
 from lesson_utils.core.types import OutOfBlocks
 from lesson_utils.disagg.transfer import TransferPlan, transfer_plan
-from lesson_utils.memory.block_table import BlockTable
 
 pytestmark = pytest.mark.usefixtures("not_strict")
 
@@ -19,7 +18,6 @@ def test_the_references_pass_and_stubs_are_unsolved():
     assert lesson09.check_transfer_plan(transfer_plan).passed
     r = lesson09.check_pack_blocks(pack_blocks, unpack_blocks)
     assert r.passed and r.use == (pack_blocks, unpack_blocks)
-    assert lesson09.check_adopt(lesson09._reference_adopt).passed
 
     def stub(*args):
         raise NotImplementedError
@@ -27,7 +25,6 @@ def test_the_references_pass_and_stubs_are_unsolved():
     for result in (
         lesson09.check_transfer_plan(stub),
         lesson09.check_pack_blocks(stub, stub),
-        lesson09.check_adopt(stub),
     ):
         assert not result.passed and not result.implemented
     assert lesson09.check_pack_blocks(stub, stub).use == (pack_blocks, unpack_blocks)
@@ -241,67 +238,56 @@ def test_wrong_packing_is_rejected(pack, unpack, needle):
     assert rejected(result, needle) and result.use == (pack_blocks, unpack_blocks)
 
 
-def not_registered(manager, seq_id, blocks, n):
-    return BlockTable(manager.block_size, list(blocks), n)
+def _room(engine, need, *, loop="while", cmp="<", total=True, nothing_running="raise", returns=True):
+    """The exercise with one switch per decision; all defaults: the right answer."""
+    from lesson_utils.core.types import OutOfBlocks
+
+    m = engine.manager
+    if total and need > m.num_blocks:
+        raise ValueError("never fits")
+    done = []
+
+    def short():
+        free = m.num_free_blocks
+        return free < need if cmp == "<" else free <= need
+
+    if loop == "if":
+        if short() and engine.scheduler.has_work:
+            done += engine.step()
+        return done if returns else []
+    while short():
+        if not engine.scheduler.has_work:
+            if nothing_running == "raise":
+                raise OutOfBlocks("nothing decodes")
+            if nothing_running == "spin":
+                continue
+            break
+        done += engine.step()
+    return done if returns else []
 
 
-def aliases(manager, seq_id, blocks, n):
-    manager.adopt(seq_id, list(blocks), n)
-    manager.tables[seq_id].blocks = blocks
-    return manager.tables[seq_id]
+def test_the_reference_make_room_passes(tiny):
+    from lesson_utils.disagg.handover import make_room
 
-
-def capacity_not_tokens(manager, seq_id, blocks, n):
-    t = manager.tables[seq_id] = BlockTable(manager.block_size, list(blocks), len(blocks) * manager.block_size)
-    return t
-
-
-def no_checks(manager, seq_id, blocks, n):
-    t = manager.tables[seq_id] = BlockTable(manager.block_size, list(blocks), n)
-    return t
-
-
-def checks_after_changing(manager, seq_id, blocks, n):
-    manager.tables[seq_id] = BlockTable(manager.block_size, list(blocks), n)
-    return manager.adopt(seq_id, blocks, n)
-
-
-def checks_only_the_first_block(manager, seq_id, blocks, n):
-    from lesson_utils.memory.block_table import blocks_needed
-
-    if seq_id in manager.tables or n < 1 or len(blocks) != blocks_needed(n, manager.block_size):
-        raise ValueError("no")
-    if len(set(blocks)) != len(blocks) or (blocks and manager.allocator.is_free(blocks[0])):
-        raise ValueError("no")
-    manager.tables[seq_id] = BlockTable(manager.block_size, list(blocks), n)
-    return manager.tables[seq_id]
-
-
-def lesson_03_checks_only(manager, seq_id, blocks, n):  # the old spec: no duplicates, no foreign blocks, no bad counts
-    from lesson_utils.memory.block_table import blocks_needed
-
-    if seq_id in manager.tables or n < 1 or len(blocks) != blocks_needed(n, manager.block_size):
-        raise ValueError("no")
-    if len(set(blocks)) != len(blocks) or any(manager.allocator.is_free(b) for b in blocks):
-        raise ValueError("no")
-    manager.tables[seq_id] = BlockTable(manager.block_size, list(blocks), n)
-    return manager.tables[seq_id]
+    _, w = tiny
+    assert lesson09.check_make_room(make_room, w).passed
+    assert lesson09.check_make_room(_room, w).passed
 
 
 @pytest.mark.parametrize(
-    "fn, needle",
+    "kw, needle",
     [
-        (checks_only_the_first_block, "a free block (the second of two) was accepted"),
-        (lesson_03_checks_only, "another request holds"),
-        (not_registered, "has no table in the manager"),
-        (aliases, "needs its own list"),
-        (capacity_not_tokens, "not their capacity"),
-        (no_checks, "was accepted"),
-        (checks_after_changing, "your code raised ValueError: sequence 7 already holds blocks"),
+        (dict(loop="if"), "when exactly is there room"),
+        (dict(cmp="<="), "when exactly is there room"),
+        (dict(total=False), "can waiting ever make it fit"),
+        (dict(nothing_running="spin"), "Can a block come free when nothing runs"),
+        (dict(nothing_running="return"), "returned although only 2 blocks are free"),
+        (dict(returns=False), "the sequences that finished while you waited"),
     ],
 )
-def test_wrong_adoptions_are_rejected(fn, needle):
-    assert rejected(lesson09.check_adopt(fn), needle)
+def test_wrong_back_pressure_is_rejected(tiny, kw, needle):
+    _, w = tiny
+    assert rejected(lesson09.check_make_room(lambda e, n: _room(e, n, **kw), w), needle)
 
 
 def test_a_cache_on_the_device_is_packed_there():

@@ -110,6 +110,9 @@ def test_both_workers_warm_up_before_the_clock_quietly_and_time_the_hand_over_in
         assert result.outputs[req_id] == hf_greedy(model, prompt, n, w.eos_token_id), f"request {req_id}"
         stages = (result.pack_s[req_id], result.recv_s[req_id], result.unpack_s[req_id])
         assert all(s > 0 for s in stages) and result.handover_s(req_id) == pytest.approx(sum(stages))
+        parts = result.ttft_parts(req_id, 0.0)  # every request arrives at the start
+        assert parts["queue"] >= 0 and parts["prefill"] > 0 and parts["decode side's wait"] > -1e-3
+        assert sum(parts.values()) == pytest.approx(result.token_times[req_id][0])  # the parts add up to the TTFT
     assert result.all_blocks_free
     out, err = capfd.readouterr()
     assert "Loading weights" not in out + err and "NOTICE" not in out + err, (out + err)[-2000:]
