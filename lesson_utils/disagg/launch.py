@@ -185,10 +185,9 @@ def run_disaggregated(
     ]
     if got.errors or crashed:
         raise DisaggError("disaggregated serving failed: " + "; ".join(crashed + got.errors))
-    rel = {rid: [t - got.start for t in ts] for rid, ts in got.token_times.items()}
     return DisaggResult(
         got.outputs,
-        rel,
+        {rid: [t - got.start for t in ts] for rid, ts in got.token_times.items()},
         got.sizes,
         got.send_s,
         got.recv_s,
