@@ -169,7 +169,18 @@ def check_budgeted_schedule(fn) -> CheckResult:
 
 
 def _chunk_case(
-    seed: int, n: int, ctx: int, *, block_size=4, heads=2, kv_heads=1, d=8, dtype=torch.float32, scale=None, spare=1
+    seed: int,
+    n: int,
+    ctx: int,
+    *,
+    block_size=4,
+    heads=2,
+    kv_heads=1,
+    d=8,
+    dtype=torch.float32,
+    scale=None,
+    spare=1,
+    magnitude=1.0,
 ):
     """A chunk of ``n`` queries at the end of a ``ctx``-token context. The table holds ``spare`` blocks past the
     context (the engine keeps the next token's block there), filled with large values: reading them shows."""
@@ -185,7 +196,8 @@ def _chunk_case(
         kc[b], vc[b] = 50.0, 50.0  # poison: a chunk that attends past its context gets these
     tail = ctx - (blocks - 1) * block_size  # the last block's slots past the context are poisoned too
     kc[table[blocks - 1], tail:], vc[table[blocks - 1], tail:] = 50.0, 50.0
-    q = torch.randn(n, heads, d, generator=g).to(dtype).to(dev)
+    q = (torch.randn(n, heads, d, generator=g) * magnitude).to(dtype).to(dev)
+    kc = kc * magnitude  # large keys and queries: q.k passes fp16's largest value (65504) unless scored in fp32
     return (q, kc.to(dtype).to(dev), vc.to(dtype).to(dev), table, ctx, 1 / math.sqrt(d) if scale is None else scale)
 
 
@@ -200,6 +212,11 @@ def _chunk_hint(case, expected, got) -> str:
     """The mistake a wrong output matches, recomputed the wrong ways (the question, never the code)."""
     q, kc, vc, table, ctx, scale = case
     if not torch.isfinite(got.float()).all():
+        if q.dtype == torch.float16 and q.float().abs().max() * kc.float().abs().max() * q.shape[-1] > 65504:
+            return (
+                "the output has inf/nan values, and this case's q.k can pass fp16's largest value (65504): in which "
+                "dtype do you compute the scores?"
+            )
         return "the output has inf/nan values: does every query see at least one key (its own)?"
     n, block_size = q.shape[0], kc.shape[1]
     qpos = torch.arange(n, device=q.device)[:, None] + ctx - n
@@ -263,6 +280,7 @@ def check_chunk_attention(fn) -> CheckResult:
         _chunk_case(6, 4, 10, dtype=torch.float16),
         _chunk_case(7, 4, 13, scale=0.7),  # a scale that is not 1/sqrt(head_dim): use the one given
         _chunk_case(8, 5, 17, block_size=3, scale=0.05, spare=2),  # blocks of 3
+        _chunk_case(9, 3, 7, dtype=torch.float16, magnitude=150.0),  # fp16 scores overflow unless computed in fp32
     ]
     return check_function(
         "chunk_attention",
