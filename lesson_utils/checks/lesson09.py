@@ -278,6 +278,24 @@ def _refusals(name, pack_fn, unpack_fn) -> CheckResult | None:
             lambda: (pack_blocks(*_caches(8, block_size=8), [0, 1]), *_caches(7), [2, 3]),
         ),
         ("unpacking into the same block twice", unpack_fn, lambda: (good.clone(), *_caches(7), [5, 5])),
+        # a payload that differs from the cache in one axis at a time (torch would broadcast some of them)
+        (
+            "unpacking 3 layers' blocks into a 2-layer cache",
+            unpack_fn,
+            lambda: (pack_blocks(*_caches(8, layers=3), [0, 1]), *_caches(7), [2, 3]),
+        ),
+        (
+            "unpacking blocks of 1 KV head into a cache of 2",
+            unpack_fn,
+            lambda: (pack_blocks(*_caches(8, heads=1), [0, 1]), *_caches(7), [2, 3]),
+        ),
+        (
+            "unpacking head_dim 16 into a cache of head_dim 8",
+            unpack_fn,
+            lambda: (pack_blocks(*_caches(8, d=16), [0, 1]), *_caches(7), [2, 3]),
+        ),
+        ("unpacking only the K half of a payload", unpack_fn, lambda: (good[:1].clone(), *_caches(7), [2, 3])),
+        ("unpacking 2 blocks' payload into 3 blocks", unpack_fn, lambda: (good.clone(), *_caches(7), [2, 3, 4])),
     ]
     for what, fn, make in cases:
         args = make()

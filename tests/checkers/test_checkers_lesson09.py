@@ -217,9 +217,20 @@ def unpack_no_conversion(packed, k, v, blocks):
         vc[index] = packed[1, layer]
 
 
+def unpack_checks_blocks_only(packed, k, v, blocks):  # the block count and size checked; layers, heads, K/V not
+    if packed.shape[2] != len(blocks) or packed.shape[3] != k[0].shape[1] or len(set(blocks)) != len(blocks):
+        raise ValueError("does not fit")
+    if any(not 0 <= b < k[0].shape[0] for b in blocks):
+        raise ValueError("no such block")
+    for layer in range(min(len(k), packed.shape[1])):
+        k[layer][blocks] = packed[0, layer].to(k[layer].dtype)
+        v[layer][blocks] = packed[-1, layer].to(v[layer].dtype)
+
+
 @pytest.mark.parametrize(
     "pack, unpack, needle",
     [
+        (pack_blocks, unpack_checks_blocks_only, "3 layers' blocks into a 2-layer cache was accepted"),
         (pack_sorted, unpack_blocks, "in the order given"),
         (pack_k_twice, unpack_blocks, "packed V of layer 0 differs"),
         (pack_per_layer_list, unpack_blocks, "should return one tensor"),
