@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import copy
 import itertools
+from dataclasses import fields
 
 from lesson_utils.core.types import Request, Sequence
 from lesson_utils.memory import swap
 from lesson_utils.serving import scheduler as S
 
-from .core import CheckResult, failed, not_implemented, passed
+from .core import CheckResult, failed, not_implemented, passed, same_value
 
 
 def check_swap_mapping(fn) -> CheckResult:
@@ -129,8 +131,15 @@ def check_reset_for_recompute(fn) -> CheckResult:
         output_ids=[7, 8, 9, 10],
         num_computed=8,
         admitted_step=2,
+        first_token_step=3,
+        token_steps=[3, 4, 5, 6],
     )
     seq.preemptions = 2  # preempted twice before: this is the third
+    kept = {
+        f.name: copy.deepcopy(getattr(seq, f.name))
+        for f in fields(seq)
+        if f.name not in ("num_computed", "preemptions")
+    }
     try:
         fn(seq)
     except NotImplementedError:
@@ -152,6 +161,17 @@ def check_reset_for_recompute(fn) -> CheckResult:
         problems.append("the prompt changed")
     if seq.preemptions != 3:
         problems.append(f"preemptions is {seq.preemptions}; it was 2 before this preemption (expected 3)")
+    changed = [
+        k
+        for k, v in kept.items()
+        if not same_value(v, getattr(seq, k)) and k not in ("output_ids", "num_generated", "request")
+    ]
+    if changed:
+        problems.append(
+            f"{', '.join(changed)} changed ({', '.join(f'{k}: {kept[k]!r} -> {getattr(seq, k)!r}' for k in changed)}): "
+            "the steps at which it was admitted and produced its tokens are its history - the latencies are measured "
+            "from them, and a preemption does not undo them"
+        )
     if problems:
         return failed(
             name,

@@ -70,3 +70,9 @@ def test_reset_mistakes():
     assert rejected(lesson06.check_reset_for_recompute(clears_output), "keeps every token")
     assert rejected(lesson06.check_reset_for_recompute(keeps_cache), "still in the cache")
     assert rejected(lesson06.check_reset_for_recompute(no_count), "expected 3")
+
+    def forgets_its_history(seq):  # as if it had never run: its TTFT would be measured from the readmission
+        seq.num_computed, seq.preemptions = 0, seq.preemptions + 1
+        seq.admitted_step, seq.first_token_step, seq.token_steps = None, None, []
+
+    assert rejected(lesson06.check_reset_for_recompute(forgets_its_history), "first_token_step")
