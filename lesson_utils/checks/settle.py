@@ -71,7 +71,9 @@ class _Run:
     timed_out: bool = False
 
 
-def _serve(w, update, prompts, num_blocks: int, chunked: bool) -> _Run:
+def _serve(w, update, prompts, num_blocks: int, chunked: bool, ref: _Run | None = None) -> _Run:
+    """Serve ``prompts`` with ``update`` as the step's third line, recording the state after every step; beside a
+    reference run ``ref``, stop at the first step that differs from it or two steps after it ended."""
     manager = SharingBlockManager(num_blocks, 4, max_seq_len=w.max_positions)
     cache = PagedKVCache.for_model(w, manager=manager)
 
@@ -96,8 +98,10 @@ def _serve(w, update, prompts, num_blocks: int, chunked: bool) -> _Run:
                 returned,
             )
         )
-        if len(steps) > MAX_STEPS:
+        if len(steps) > (MAX_STEPS if ref is None else len(ref.steps) + 2):
             break
+        if ref is not None and (len(steps) > len(ref.steps) or steps[-1] != ref.steps[len(steps) - 1]):
+            break  # the first difference is found; the rest of the run would only cost time
     return _Run(
         steps,
         [list(s.token_steps) for s in seqs],
@@ -164,8 +168,8 @@ def _first_difference(got: _Run, ref: _Run, chunked: bool) -> str:
             return problem
     if got.timed_out:
         return (
-            f"{where}: still running after {MAX_STEPS} steps: does every computed count advance, and does every "
-            "finished sequence leave the running batch (scheduler.finish)?"
+            f"{where}: still running {len(got.steps)} steps in (the course's engine finished in {len(ref.steps)}): does "
+            "every computed count advance, and does every finished sequence leave the running batch (scheduler.finish)?"
         )
     if len(got.steps) != len(ref.steps):
         return f"{where}: serving took {len(got.steps)} steps; expected {len(ref.steps)}. When does a sequence finish?"
@@ -203,7 +207,7 @@ def check_update_from_output(fn, w) -> CheckResult:
         try:
             with busy("checking your update: the course's engine, then the same engine with yours"):
                 ref = _serve(w, reference_update, prompts, num_blocks, chunked)
-                got = _serve(w, fn, prompts, num_blocks, chunked)
+                got = _serve(w, fn, prompts, num_blocks, chunked, ref)
         except NotImplementedError:
             return not_implemented(name, reference_update)
         except OutOfBlocks as err:
