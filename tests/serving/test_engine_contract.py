@@ -219,9 +219,14 @@ def test_a_hand_over_into_a_full_decode_side_is_refused_and_leaks_nothing(tiny):
     prefill = prefill_engine(w, PagedKVCache.for_model(w, num_blocks=16, block_size=4))
     decode = Engine(w, PagedKVCache.for_model(w, num_blocks=3, block_size=4))
     prompt = GOOD * 4  # 16 tokens: 4 blocks, the decode side has 3
-    with pytest.raises(OutOfBlocks):
+    with pytest.raises(ValueError, match="can never fit"):  # back-pressure cannot help: refused before any step
         hand_over(prefill, decode, Request(0, 0.0, 16, 4, prompt_ids=prompt))
     assert _all_free(decode) and _all_free(prefill) and not prefill.scheduler.held
+    short = Engine(w, PagedKVCache.for_model(w, num_blocks=6, block_size=4))
+    short.manager.ensure_capacity(99, 12)  # 3 of 6 blocks held by no running request: nothing will free them
+    with pytest.raises(OutOfBlocks, match="nothing is decoding"):
+        hand_over(prefill, short, Request(2, 0.0, 16, 4, prompt_ids=prompt))
+    assert short.manager.num_free_blocks == 3 and _all_free(prefill) and not prefill.scheduler.held
     seq = hand_over(prefill, decode, Request(1, 0.0, 4, 3, prompt_ids=GOOD))
     decode.run()
     assert seq.output_ids == hf_greedy(model, GOOD, 3, w.eos_token_id) and _all_free(decode)
