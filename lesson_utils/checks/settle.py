@@ -10,13 +10,13 @@ blocks, and the free blocks once everyone is done.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from lesson_utils.cache.paged import PagedKVCache
 from lesson_utils.core.progress import busy
-from lesson_utils.core.types import OutOfBlocks
+from lesson_utils.core.types import OutOfBlocks, Sequence
 from lesson_utils.memory.sharing import SharingBlockManager
 from lesson_utils.serving.engine import Engine
 from lesson_utils.serving.model_runner import ModelRunner
@@ -71,20 +71,56 @@ class _Run:
     timed_out: bool = False
 
 
-def _serve(w, update, prompts, num_blocks: int, chunked: bool, ref: _Run | None = None) -> _Run:
+class _YourUpdateRaised(Exception):
+    """The learner's update raised (``__cause__``); anything else that fails a step is the engine's."""
+
+
+class _BadReturn(Exception):
+    """The learner's update returned something other than the finished sequences."""
+
+
+def _reversed(plan):
+    """The same plan with its sequences in the opposite order: the sequences that sample are then not the first of
+    ``plan.scheduled`` (a prompt chunk that stops short comes first), so ``plan.sampling`` is not 0, 1, ..."""
+    n = len(plan.scheduled)
+    order = list(range(n))[::-1]
+    where = {old: new for new, old in enumerate(order)}
+    pairs = sorted((where[i], c) for i, c in zip(plan.sampling, plan.sample_counts))
+    return replace(
+        plan,
+        scheduled=[plan.scheduled[i] for i in order],
+        num_tokens=[plan.num_tokens[i] for i in order],
+        sampling=[i for i, _ in pairs],
+        sample_counts=[c for _, c in pairs],
+    )
+
+
+def _serve(w, update, prompts, num_blocks: int, chunked: bool, ref: _Run | None = None, eos=None) -> _Run:
     """Serve ``prompts`` with ``update`` as the step's third line, recording the state after every step; beside a
-    reference run ``ref``, stop at the first step that differs from it or two steps after it ended."""
+    reference run ``ref``, stop at the first step that differs from it or two steps after it ended. With chunks, each
+    plan's sequences run in reverse order. ``eos``: the first request stops at this token."""
     manager = SharingBlockManager(num_blocks, 4, max_seq_len=w.max_positions)
     cache = PagedKVCache.for_model(w, manager=manager)
 
     def step_fn(scheduler, runner, step):  # the lesson's step, with ``update`` as its third line
         plan = scheduler.schedule(step)
+        if chunked:
+            plan = _reversed(plan)
         output = runner.execute(plan)
-        return plan, update(scheduler, plan, output)
+        try:
+            done = update(scheduler, plan, output)
+        except NotImplementedError:
+            raise
+        except Exception as err:  # noqa: BLE001 - reported as the learner's
+            raise _YourUpdateRaised() from err
+        if not isinstance(done, (list, tuple)) or not all(isinstance(x, Sequence) for x in done):
+            raise _BadReturn(f"your update returned {done!r:.100}")
+        return plan, done
 
     engine = Engine(w, cache, step_fn=step_fn, chunked_prefill=ChunkedPrefill(CHUNK_BUDGET) if chunked else None)
     engine.runner = runner = _LogitsRunner(w, cache)
     seqs = [engine.add_request(p, 6) for p in prompts]  # the later prompts share the first's prefix
+    seqs[0].eos_token_id = eos  # None: no eos; else the first request ends early on it
     steps = []
     while engine.scheduler.has_work:
         done = engine.step()
@@ -138,8 +174,8 @@ def _step_difference(s: int, got: _After, ref: _After, where: str) -> str:
     if got.running != ref.running:
         return (
             f"{where}: after step {s} sequences {sorted(got.running)} are running; expected {sorted(ref.running)}. "
-            "Does every sequence that is finished once this step's tokens are in leave the running batch "
-            "(scheduler.finish)?"
+            "Does every sequence that is finished once this step's tokens are in - at its length limit or on its "
+            "end-of-sequence token (seq.is_finished) - leave the running batch (scheduler.finish)?"
         )
     if got.registered != ref.registered:
         return (
@@ -206,17 +242,16 @@ def check_update_from_output(fn, w) -> CheckResult:
     for chunked, num_blocks in ((False, 12), (True, 16)):
         try:
             with busy("checking your update: the course's engine, then the same engine with yours"):
-                ref = _serve(w, reference_update, prompts, num_blocks, chunked)
-                got = _serve(w, fn, prompts, num_blocks, chunked, ref)
+                plain = _serve(w, reference_update, prompts, num_blocks, chunked)
+                eos = plain.steps[-1].tokens[0][2]  # the first request's third token: it stops there as on eos
+                ref = _serve(w, reference_update, prompts, num_blocks, chunked, eos=eos)
+                got = _serve(w, fn, prompts, num_blocks, chunked, ref, eos=eos)
         except NotImplementedError:
             return not_implemented(name, reference_update)
-        except OutOfBlocks as err:
-            return failed(
-                name,
-                f"the engine ran out of blocks ({err}): does every finished sequence give its memory back?",
-                reference_update,
-            )
-        except Exception as err:  # noqa: BLE001
+        except _YourUpdateRaised as wrapped:
+            err = wrapped.__cause__
+            if isinstance(err, NotImplementedError):
+                return not_implemented(name, reference_update)
             hint = (
                 " (with prompts fed a chunk at a time: which sequences get a token - does one whose prompt chunk "
                 "stops short? - and which row of the logits is whose?)"
@@ -224,6 +259,23 @@ def check_update_from_output(fn, w) -> CheckResult:
                 else ""
             )
             return failed(name, f"your update raised {type(err).__name__}: {err}{hint}", reference_update)
+        except _BadReturn as err:
+            return failed(
+                name, f"{err}: return the Sequence objects that finished in this step (a list)", reference_update
+            )
+        except OutOfBlocks as err:
+            return failed(
+                name,
+                f"the engine ran out of blocks ({err}): does every finished sequence give its memory back?",
+                reference_update,
+            )
+        except Exception as err:  # noqa: BLE001 - the engine or scheduler failed the step after the learner's update
+            return failed(
+                name,
+                f"the engine failed the step after your update ({type(err).__name__}: {err}): what state did your "
+                "update leave the sequences in - how far has each computed, and what did it append?",
+                reference_update,
+            )
         problem = _first_difference(got, ref, chunked)
         if problem:
             return failed(name, problem, reference_update)

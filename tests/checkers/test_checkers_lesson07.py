@@ -96,6 +96,61 @@ def test_update_mistakes(w, mistake, says):
     assert rejected(lesson07.check_update_from_output(wrong, w), says)
 
 
+def _zip_scheduled(scheduler, plan, output):  # tokens zipped with every scheduled sequence, not plan.sampling
+    for seq, n in zip(plan.scheduled, output.new_computed):
+        seq.num_computed += n
+    for seq in plan.scheduled:
+        scheduler.manager.cache_computed(seq)
+    for seq, token in zip(plan.scheduled, sampling.next_tokens(plan.scheduled[: len(output.logits)], output.logits)):
+        seq.append_token(token, plan.step)
+    done = [s for s in scheduler.running if s.is_finished]
+    for seq in done:
+        scheduler.finish(seq, plan.step)
+    return done
+
+
+def _row_by_scheduled_index(scheduler, plan, output):  # row i of the logits for scheduled[i]
+    for seq, n in zip(plan.scheduled, output.new_computed):
+        seq.num_computed += n
+    for seq in plan.scheduled:
+        scheduler.manager.cache_computed(seq)
+    for i in plan.sampling:
+        seq = plan.scheduled[i]
+        seq.append_token(int(output.logits[min(i, len(output.logits) - 1)].argmax()), plan.step)
+    done = [s for s in scheduler.running if s.is_finished]
+    for seq in done:
+        scheduler.finish(seq, plan.step)
+    return done
+
+
+def _ignores_eos(scheduler, plan, output):  # finishes only at the length limit
+    for seq, n in zip(plan.scheduled, output.new_computed):
+        seq.num_computed += n
+    for seq in plan.scheduled:
+        scheduler.manager.cache_computed(seq)
+    due = [plan.scheduled[i] for i in plan.sampling]
+    for seq, token in zip(due, sampling.next_tokens(due, output.logits) if due else []):
+        seq.append_token(token, plan.step)
+    done = [s for s in scheduler.running if s.num_generated >= s.request.output_len]
+    for seq in done:
+        scheduler.finish(seq, plan.step)
+    return done
+
+
+@pytest.mark.parametrize(
+    "fn, says",
+    [
+        (_zip_scheduled, "a chunk at a time"),
+        (_row_by_scheduled_index, "a chunk at a time"),
+        (_ignores_eos, "end-of-sequence token"),
+        (lambda s, p, o: [x.seq_id for x in lesson07.reference_update(s, p, o)], "return the Sequence objects"),
+        (lambda s, p, o: None, "return the Sequence objects"),
+    ],
+)
+def test_more_update_mistakes(w, fn, says):
+    assert rejected(lesson07.check_update_from_output(fn, w), says)
+
+
 def test_an_update_that_raises_or_is_unsolved_is_reported(w):
     def unsolved(scheduler, plan, output):
         raise NotImplementedError
