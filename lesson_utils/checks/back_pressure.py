@@ -5,11 +5,13 @@ free afterwards, and the two refusals (a transfer that can never fit; a shortfal
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from lesson_utils.cache.paged import PagedKVCache
 from lesson_utils.core.progress import busy
-from lesson_utils.core.types import OutOfBlocks
+from lesson_utils.core.types import OutOfBlocks, Sequence
 from lesson_utils.disagg.handover import make_room
 from lesson_utils.memory.block_manager import BlockManager
 from lesson_utils.serving.engine import Engine
@@ -18,6 +20,7 @@ from .core import CheckResult, failed, not_implemented, passed
 
 MAX_STEPS = 60
 MAX_READS = 20_000
+MAX_WAIT_S = 5.0  # a loop that sleeps between reads fails fast too
 NUM_BLOCKS = 12
 
 
@@ -29,12 +32,15 @@ class _WatchedManager(BlockManager):
     """A block manager whose free count stops a loop that keeps reading it without ever decoding."""
 
     reads = 0
+    deadline = float("inf")
 
     @property
     def num_free_blocks(self) -> int:
         self.reads += 1
         if self.reads > MAX_READS:
             raise _Spinning(f"your loop read the free-block count {MAX_READS} times")
+        if time.monotonic() > self.deadline:
+            raise _Spinning(f"your make_room was still waiting after {MAX_WAIT_S:.0f} s")
         return super().num_free_blocks
 
     def free_now(self) -> int:
@@ -64,8 +70,19 @@ def _engine(w, lengths: list[tuple[int, int]], held: int = 0):
         return real_step()
 
     engine.step = counted_step
-    manager.reads = 0
+    manager.reads, manager.deadline = 0, time.monotonic() + MAX_WAIT_S
     return engine, steps
+
+
+def _finished_ids(got) -> list[int] | None:
+    """The ids of the finished sequences the learner returned (any collection of Sequence objects), else None."""
+    try:
+        items = list(got)
+    except TypeError:
+        return None
+    if not all(isinstance(x, Sequence) for x in items):
+        return None
+    return sorted(x.seq_id for x in items)
 
 
 # (what, request lengths, blocks held elsewhere, blocks the transfer needs beyond those free once they are prefilled)
@@ -74,6 +91,7 @@ _CASES = [
     ("exactly as many blocks are free as the transfer needs", [(7, 9), (5, 9)], 0, 0),
     ("the running requests must finish first", [(9, 4), (10, 6), (8, 9)], 0, 4),
     ("one request must finish, and then it is enough", [(15, 3), (5, 10)], 0, 2),
+    ("an empty cache, and a transfer as large as all of it", [], 0, 0),
 ]
 
 
@@ -110,12 +128,13 @@ def check_make_room(fn, w) -> CheckResult:
                     "transfer; every step too few leaves it without blocks: when exactly is there room?",
                     make_room,
                 )
-            ids = sorted(s.seq_id for s in got) if isinstance(got, (list, tuple)) else None
+            ids = _finished_ids(got)
             if ids != want:
+                shown = "something that is not Sequence objects" if ids is None else f"sequences {ids}"
                 return failed(
                     name,
-                    f"{what}: you returned {got!r:.120}; expected the sequences that finished while you waited "
-                    f"(ids {want}) - the worker reports their tokens",
+                    f"{what}: you returned {shown} ({got!r:.80}); expected the Sequence objects that finished while "
+                    f"you waited (ids {want}) - the worker reports their tokens",
                     make_room,
                 )
         engine, steps = _engine(w, [(6, 8)])
@@ -131,6 +150,26 @@ def check_make_room(fn, w) -> CheckResult:
         if problem:
             return failed(
                 name, f"{problem}: can waiting ever make it fit? Refuse it with a ValueError before any step", make_room
+            )
+        engine, steps = _engine(w, [(6, 3)], held=NUM_BLOCKS - 4)  # the request finishes; the held blocks stay
+        try:
+            fn(engine, 5)
+            problem = "returned although too few blocks are free"
+        except NotImplementedError:
+            return not_implemented(name, make_room)
+        except OutOfBlocks:
+            problem = ""
+        except _Spinning as err:
+            problem = f"{err}"
+        except Exception as err:  # noqa: BLE001
+            problem = f"raised {type(err).__name__}: {err}"
+        if problem:
+            return failed(
+                name,
+                f"once the running request had finished, 4 of {NUM_BLOCKS} blocks were free for a transfer of 5 (the "
+                f"rest held by a table no request runs); your make_room {problem}. Is the question whether anything "
+                "is decoding asked only once? Raise OutOfBlocks when nothing is left to decode",
+                make_room,
             )
         engine, steps = _engine(w, [], held=NUM_BLOCKS - 2)
         try:

@@ -249,6 +249,33 @@ def test_wrong_packing_is_rejected(pack, unpack, needle):
     assert rejected(result, needle) and result.use == (pack_blocks, unpack_blocks)
 
 
+def _room_ask_once(engine, need):  # asks whether anything decodes only before waiting
+    from lesson_utils.core.types import OutOfBlocks
+
+    if need > engine.manager.num_blocks:
+        raise ValueError("never fits")
+    if engine.manager.num_free_blocks < need and not engine.scheduler.has_work:
+        raise OutOfBlocks("nothing decodes")
+    done = []
+    while engine.manager.num_free_blocks < need:
+        done += engine.step()
+    return done
+
+
+def _room_refuses_the_whole_cache(engine, need):
+    if need >= engine.manager.num_blocks:
+        raise ValueError("never fits")
+    return _room(engine, need)
+
+
+def _room_sleeps(engine, need):  # waits for blocks that no step will free, a little at a time
+    import time
+
+    while engine.manager.num_free_blocks < need:
+        time.sleep(0.01)
+    return []
+
+
 def _room(engine, need, *, loop="while", cmp="<", total=True, nothing_running="raise", returns=True):
     """The exercise with one switch per decision; all defaults: the right answer."""
     from lesson_utils.core.types import OutOfBlocks
@@ -291,9 +318,9 @@ def test_the_reference_make_room_passes(tiny):
         (dict(loop="if"), "when exactly is there room"),
         (dict(cmp="<="), "when exactly is there room"),
         (dict(total=False), "can waiting ever make it fit"),
-        (dict(nothing_running="spin"), "Can a block come free when nothing runs"),
-        (dict(nothing_running="return"), "returned although only 2 blocks are free"),
-        (dict(returns=False), "the sequences that finished while you waited"),
+        (dict(nothing_running="spin"), "Raise OutOfBlocks when nothing is left to decode"),
+        (dict(nothing_running="return"), "returned although too few blocks are free"),
+        (dict(returns=False), "the Sequence objects that finished while you waited"),
     ],
 )
 def test_wrong_back_pressure_is_rejected(tiny, kw, needle):
@@ -307,3 +334,22 @@ def test_a_cache_on_the_device_is_packed_there():
     with discipline():
         k = [torch.randn(4, 2, 1, 4).to(DEVICE)]
         assert pack_blocks(k, k, [1, 0]).device == k[0].device
+
+
+@pytest.mark.parametrize(
+    "fn, needle",
+    [
+        (_room_ask_once, "asked only once"),
+        (_room_refuses_the_whole_cache, "raised ValueError"),
+        (_room_sleeps, "still waiting after"),
+        (lambda e, n: [s.seq_id for s in _room(e, n)], "not Sequence objects"),
+    ],
+)
+def test_more_back_pressure_mistakes(tiny, fn, needle):
+    _, w = tiny
+    assert rejected(lesson09.check_make_room(fn, w), needle)
+
+
+def test_any_collection_of_the_finished_sequences_passes(tiny):
+    _, w = tiny
+    assert lesson09.check_make_room(lambda e, n: set(_room(e, n)), w).passed
