@@ -322,7 +322,7 @@ def _metadata_cases() -> list[tuple]:
 
 
 def _metadata_equal(expected, got) -> bool:
-    if not isinstance(got, tuple) or len(got) != 3:
+    if not isinstance(got, (tuple, list)) or len(got) != 3:
         return False
     (qs, cl, mq), (gqs, gcl, gmq) = expected, got
     tensors_ok = all(
@@ -334,19 +334,21 @@ def _metadata_equal(expected, got) -> bool:
 
 def _metadata_hint(case, expected, got) -> str:
     chunks, dev = case
-    if not isinstance(got, tuple) or len(got) != 3:
-        return "return a tuple of three: (query_start, context_lens, max_query_len)"
+    if not isinstance(got, (tuple, list)) or len(got) != 3:
+        return "return three values: (query_start, context_lens, max_query_len)"
     qs, cl, mq = got
     if not all(isinstance(t, torch.Tensor) for t in (qs, cl)):
         return "query_start and context_lens are tensors the kernel reads (torch.tensor(..., dtype=..., device=...))"
     if qs.dtype != torch.int32 or cl.dtype != torch.int32:
         return (
-            f"your tensors are {qs.dtype} and {cl.dtype}: the kernel loads them as 32-bit ints - what does it read "
-            "from a 64-bit tensor?"
+            f"your tensors are {qs.dtype} and {cl.dtype}: the kernel loads them as 32-bit ints - what would it read "
+            "from a tensor of another dtype?"
         )
     if qs.device != expected[0].device or cl.device != expected[0].device:
         return f"the kernel reads them on {expected[0].device}: where did you make them?"
     lens = [c.end - c.start for c in chunks]
+    if not chunks and qs.tolist() == [0] and cl.numel() == 0:
+        return "an empty step: what is the longest of no chunks? (the grid then has no rows)"
     if qs.numel() == len(chunks):
         return (
             f"{len(chunks)} chunks need {len(chunks) + 1} query starts: where do chunk 0's rows start, and where do the "

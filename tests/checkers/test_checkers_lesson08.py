@@ -301,6 +301,12 @@ def test_the_step_metadata_reference_passes_and_matches_the_engines_own():
         (tensor_max, "a Python int"),
         (positions_as_starts, "flat batch"),
         (lists, "tensors the kernel reads"),
+        (
+            lambda chunks, device: _meta(
+                _starts(chunks), [c.end for c in chunks], max((c.end - c.start for c in chunks), default=1), device
+            ),
+            "longest of no chunks",
+        ),
     ],
 )
 def test_wrong_step_metadata_is_rejected(fn, needle):
@@ -338,3 +344,9 @@ def rejected_engine_metadata(serve):
         return serve(lens_as_context) != serve(None)
     except Exception:  # noqa: BLE001 - the kernel may refuse the wrong lengths outright
         return True
+
+
+def test_step_metadata_may_come_back_as_a_list():
+    from lesson_utils.cache.paged_metadata import step_metadata
+
+    assert lesson08.check_step_metadata(lambda chunks, device: list(step_metadata(chunks, device))).passed
