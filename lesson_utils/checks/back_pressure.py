@@ -95,6 +95,39 @@ _CASES = [
 ]
 
 
+# a shortfall that no waiting can end: (requests, blocks held elsewhere, the situation, the question asked)
+_STUCK = [
+    (
+        [(6, 3)],
+        NUM_BLOCKS - 4,
+        f"once the running request had finished, 4 of {NUM_BLOCKS} blocks were free for a transfer of 5 (the rest held "
+        "by a table no request runs)",
+        "Is the question whether anything is decoding asked only once? Raise OutOfBlocks when nothing is left to decode",
+    ),
+    (
+        [],
+        NUM_BLOCKS - 2,
+        f"with nothing decoding and 2 of {NUM_BLOCKS} blocks free for a transfer of 5",
+        "Can a block come free when nothing runs? Raise OutOfBlocks rather than wait",
+    ),
+]
+
+
+def _stuck(fn, engine) -> str:
+    """What the learner's make_room did when 5 blocks can never come free ("" when it raised OutOfBlocks)."""
+    try:
+        fn(engine, 5)
+        return "returned although too few blocks are free"
+    except NotImplementedError:
+        raise
+    except OutOfBlocks:
+        return ""
+    except _Spinning as err:
+        return f"{err}"
+    except Exception as err:  # noqa: BLE001
+        return f"raised {type(err).__name__}: {err}"
+
+
 def check_make_room(fn, w) -> CheckResult:
     """Exercise 09-3: back-pressure on the decode side before a transfer is taken in."""
     name = "make_room"
@@ -151,45 +184,10 @@ def check_make_room(fn, w) -> CheckResult:
             return failed(
                 name, f"{problem}: can waiting ever make it fit? Refuse it with a ValueError before any step", make_room
             )
-        engine, steps = _engine(w, [(6, 3)], held=NUM_BLOCKS - 4)  # the request finishes; the held blocks stay
-        try:
-            fn(engine, 5)
-            problem = "returned although too few blocks are free"
-        except NotImplementedError:
-            return not_implemented(name, make_room)
-        except OutOfBlocks:
-            problem = ""
-        except _Spinning as err:
-            problem = f"{err}"
-        except Exception as err:  # noqa: BLE001
-            problem = f"raised {type(err).__name__}: {err}"
-        if problem:
-            return failed(
-                name,
-                f"once the running request had finished, 4 of {NUM_BLOCKS} blocks were free for a transfer of 5 (the "
-                f"rest held by a table no request runs); your make_room {problem}. Is the question whether anything "
-                "is decoding asked only once? Raise OutOfBlocks when nothing is left to decode",
-                make_room,
-            )
-        engine, steps = _engine(w, [], held=NUM_BLOCKS - 2)
-        try:
-            fn(engine, 5)
-            problem = "returned although only 2 blocks are free for 5"
-        except NotImplementedError:
-            return not_implemented(name, make_room)
-        except OutOfBlocks:
-            problem = ""
-        except _Spinning as err:
-            problem = f"{err}"
-        except Exception as err:  # noqa: BLE001
-            problem = f"raised {type(err).__name__}: {err}"
-        if problem:
-            return failed(
-                name,
-                f"with nothing decoding and 2 of {NUM_BLOCKS} blocks free for a transfer of 5, your make_room {problem}. "
-                "Can a block come free when nothing runs? Raise OutOfBlocks rather than wait",
-                make_room,
-            )
+        for lengths, held, situation, question in _STUCK:
+            problem = _stuck(fn, _engine(w, lengths, held)[0])
+            if problem:
+                return failed(name, f"{situation}, your make_room {problem}. {question}", make_room)
     return passed(
         name,
         f"the same decode steps, finished sequences and free blocks as the reference in {len(_CASES)} cases, and both "
