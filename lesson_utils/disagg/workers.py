@@ -43,7 +43,7 @@ def _setup(cfg: DisaggConfig, rank: int):
     from lesson_utils.cache.paged import PagedKVCache
     from lesson_utils.memory.block_manager import BlockManager
     from lesson_utils.model.loading import load_model
-    from lesson_utils.model.opt_forward import OPTWeights
+    from lesson_utils.model.weights import weights_from_hf
 
     torch.set_num_threads(1)
     try:
@@ -58,7 +58,7 @@ def _setup(cfg: DisaggConfig, rank: int):
         if "timed out" in str(err).lower() or isinstance(err, TimeoutError):
             raise _late_start(cfg) from err
         raise
-    w = OPTWeights.from_hf(load_model(local_path=cfg.model_dir, quiet=True).model)
+    w = weights_from_hf(load_model(local_path=cfg.model_dir, quiet=True).model)
     manager = BlockManager(cfg.num_blocks, cfg.block_size, watermark=0.0, max_seq_len=w.max_positions)
     cache = PagedKVCache.for_model(w, manager=manager)
     if len(cache.slot_tensors) != 1:  # the wire carries one K/V tensor per request (handover.receive checks too)

@@ -20,13 +20,13 @@ import torch
 
 from lesson_utils.cache.dense import DenseKVCache
 from lesson_utils.cache.seam import StepBatch
-from lesson_utils.model.opt_forward import OPTWeights, forward
+from lesson_utils.model.weights import ModelWeights, forward
 
 
 class Stepper:
     """``step(new_tokens)`` -> 1-D logits of the last token; counts tokens and calls."""
 
-    def __init__(self, w: OPTWeights, cached: bool):
+    def __init__(self, w: ModelWeights, cached: bool):
         self.w, self.cached = w, cached
         self.cache = DenseKVCache(w.num_layers)
         self.cached_len = 0
@@ -48,11 +48,11 @@ class Stepper:
         return logits
 
 
-def cached_stepper(w: OPTWeights) -> Stepper:
+def cached_stepper(w: ModelWeights) -> Stepper:
     return Stepper(w, cached=True)
 
 
-def uncached_stepper(w: OPTWeights) -> Stepper:
+def uncached_stepper(w: ModelWeights) -> Stepper:
     return Stepper(w, cached=False)
 
 
@@ -72,7 +72,7 @@ def decode_with_cache(step: Callable, prompt: list[int], max_new_tokens: int) ->
 
 
 def time_per_token(
-    w: OPTWeights,
+    w: ModelWeights,
     prompt: list[int],
     max_new_tokens: int,
     cached: bool,
@@ -119,7 +119,7 @@ def _median_times(w, prompt, max_new_tokens, cached, repeats, sync, progress) ->
     return [sorted(col)[len(col) // 2] for col in zip(*runs)]
 
 
-def last_token_timing(w: OPTWeights, prompt: list[int], *, repeats: int = 5, threads: int | None = None):
+def last_token_timing(w: ModelWeights, prompt: list[int], *, repeats: int = 5, threads: int | None = None):
     """The time of one decode step at the end of ``prompt``, with a cache and without, by the course's timing
     protocol (:func:`lesson_utils.lab.timing.measure`: warm-up, repeats in alternating order, median and spread).
 

@@ -242,7 +242,7 @@ def compare_all(
     threshold: float | None = None,
     w=None,
 ) -> IdentityReport:
-    """The rule over several prompts (same order in all three lists). With ``w`` (the course's ``OPTWeights`` of
+    """The rule over several prompts (same order in all three lists). With ``w`` (the course's weights (``weights_from_hf``) of
     ``model``) and no ``threshold``, the threshold is calibrated on these prompts and references
     (:func:`calibrate`) and the report says what share of steps it could excuse."""
     if not (len(prompts) == len(references) == len(outputs)):
@@ -319,7 +319,7 @@ def course_logits(w, ids: list[int]) -> torch.Tensor:
     """The course's forward (dense cache) over ``ids``, teacher-forced: ``[len(ids), vocab]``."""
     from lesson_utils.cache.dense import DenseKVCache
     from lesson_utils.cache.seam import StepBatch
-    from lesson_utils.model.opt_forward import forward
+    from lesson_utils.model.weights import forward
 
     t = torch.tensor(ids, device=w.device)
     batch = StepBatch([0], [len(ids)], [len(ids)], t, torch.arange(len(ids), device=w.device))

@@ -21,7 +21,8 @@ import torch
 import torch.nn.functional as F
 
 from lesson_utils.cache.seam import KVCache, StepBatch
-from lesson_utils.core.host_copy import to_device
+from lesson_utils.model.common import Linear, check_positions, select_rows
+from lesson_utils.model.common import ref as _ref
 
 POSITION_OFFSET = 2  # OPT's learned position table starts at row 2 (a fairseq padding convention)
 
@@ -39,20 +40,6 @@ class Norm(NamedTuple):
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return F.layer_norm(x, x.shape[-1:], self.weight, self.bias, self.eps)
-
-
-class Linear(NamedTuple):
-    """A linear layer's parameters (``bias`` None when the model has no biases)."""
-
-    weight: torch.Tensor
-    bias: torch.Tensor | None
-
-    @classmethod
-    def from_module(cls, m) -> "Linear":
-        return cls(_ref(m.weight), _ref(m.bias))
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
 
 
 @dataclass
@@ -109,6 +96,11 @@ class OPTWeights:
         """Heads that store K/V: OPT has multi-head attention, so every query head has its own."""
         return self.num_heads
 
+    def forward_step(
+        self, batch: StepBatch, cache: KVCache, *, last_only: bool = True, last_n: list[int] | None = None
+    ) -> torch.Tensor:
+        return forward(self, batch, cache, last_only=last_only, last_n=last_n)
+
     @classmethod
     def from_hf(cls, model) -> "OPTWeights":
         """Take the weights of an ``OPTForCausalLM`` (they stay shared with it)."""
@@ -148,10 +140,6 @@ class OPTWeights:
         )
 
 
-def _ref(t: torch.Tensor | None) -> torch.Tensor | None:
-    return None if t is None else t.detach()  # same storage, no autograd
-
-
 def _optional(kind, module):
     return None if module is None else kind.from_module(module)
 
@@ -165,33 +153,18 @@ def forward(
     ``last_only``, else ``[num_tokens, vocab]`` for every new token. ``last_n`` (lesson 11) asks for each
     sequence's last ``last_n[i]`` tokens instead, sequence after sequence: ``[sum(last_n), vocab]``.
     """
-    _check_positions(w, batch)
+    check_positions(w.max_positions, batch)
     with torch.inference_mode():
         h = _embed(w, batch)
         cache.prepare(batch)
         for i, layer in enumerate(w.layers):
             h = _decoder_layer(w, i, layer, h, batch, cache)
-        if last_n is not None:  # a verifying sequence needs the logits at each drafted position
-            rows = [r for s, n, m in zip(batch.starts, batch.query_lens, last_n) for r in range(s + n - m, s + n)]
-            h = h[to_device(rows, torch.long, h.device)]
-        elif last_only:  # every later op is per token, so drop the tokens nobody needs logits for
-            last = [s + n - 1 for s, n in zip(batch.starts, batch.query_lens)]
-            h = h[to_device(last, torch.long, h.device)]
+        h = select_rows(h, batch, last_only, last_n)
         if w.final_layer_norm is not None:
             h = w.final_layer_norm(h)
         if w.project_out is not None:
             h = w.project_out(h)
         return F.linear(h, w.lm_head)
-
-
-def _check_positions(w: OPTWeights, batch: StepBatch) -> None:
-    # context_lens are Python ints: checking them costs no GPU synchronisation.
-    for sid, clen in zip(batch.seq_ids, batch.context_lens):
-        if clen > w.max_positions:
-            raise ValueError(
-                f"sequence {sid} reaches position {clen - 1}, but the model has only "
-                f"{w.max_positions} positions (0 .. {w.max_positions - 1})"
-            )
 
 
 def _embed(w: OPTWeights, batch: StepBatch) -> torch.Tensor:
@@ -226,63 +199,3 @@ def _attention(w, i, layer: OPTLayerWeights, x, batch, cache) -> torch.Tensor:
     cache.write(i, batch, k, v)
     out = cache.attend(i, batch, q, w.head_dim**-0.5)
     return layer.out_proj(out.reshape(x.shape[0], w.hidden))
-
-
-def generate_greedy(
-    w: OPTWeights,
-    cache: KVCache,
-    prompts: list[list[int]],
-    max_new_tokens: int,
-    *,
-    stop_at_eos: bool = True,
-    seq_ids: list[int] | None = None,
-) -> list[list[int]]:
-    """Greedy decoding of several prompts at once; returns each prompt's generated ids (not the prompt).
-
-    Step 1 prefills every prompt in one ``StepBatch``; each later step feeds one token per unfinished
-    sequence. A sequence finishes after ``max_new_tokens`` tokens or, with ``stop_at_eos``, right after
-    emitting eos (which is kept in its output, as HF ``generate`` does), and is then freed from
-    ``cache``. ``seq_ids`` name the sequences in the cache (default ``0 .. len(prompts) - 1``).
-    """
-    seq_ids = list(range(len(prompts))) if seq_ids is None else list(seq_ids)
-    _check_generation(w, prompts, max_new_tokens, seq_ids)
-    device = w.lm_head.device
-    out: list[list[int]] = [[] for _ in prompts]
-
-    batch = StepBatch.build(seq_ids, prompts, [0] * len(prompts), device=device)
-    active = list(range(len(prompts)))  # indices of the prompts still generating
-    while True:
-        next_tokens = forward(w, batch, cache).argmax(dim=-1).tolist()
-        still = []
-        for i, token in zip(active, next_tokens):
-            out[i].append(token)
-            if len(out[i]) == max_new_tokens or (stop_at_eos and token == w.eos_token_id):
-                cache.free(seq_ids[i])
-            else:
-                still.append(i)
-        active = still
-        if not active:
-            return out
-        batch = StepBatch.build(
-            [seq_ids[i] for i in active],
-            [[out[i][-1]] for i in active],
-            [len(prompts[i]) + len(out[i]) - 1 for i in active],  # the newest token is not cached yet
-            device=device,
-        )
-
-
-def _check_generation(w: OPTWeights, prompts, max_new_tokens: int, seq_ids: list[int]) -> None:
-    if not prompts:
-        raise ValueError("no prompts to generate from")
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
-    if len(seq_ids) != len(prompts) or len(set(seq_ids)) != len(seq_ids):
-        raise ValueError(f"need {len(prompts)} distinct seq_ids, one per prompt; got {seq_ids}")
-    for i, prompt in enumerate(prompts):
-        if len(prompt) == 0:
-            raise ValueError(f"prompt {i} is empty; every prompt needs at least one token (OPT's is bos)")
-        if len(prompt) + max_new_tokens > w.max_positions:
-            raise ValueError(
-                f"prompt {i} has {len(prompt)} tokens; with max_new_tokens={max_new_tokens} it would need "
-                f"{len(prompt) + max_new_tokens} positions, but the model has {w.max_positions}"
-            )

@@ -30,7 +30,7 @@ import torch
 
 from lesson_utils.cache.host_blocks import HostBlocks
 from lesson_utils.core.types import Request, Sequence, SequenceStatus, SlotKind, is_int
-from lesson_utils.model.opt_forward import OPTWeights
+from lesson_utils.model.weights import ModelWeights
 from lesson_utils.serving.beam_search import BeamGroup
 from lesson_utils.serving.checkpoint import StepCheckpoint
 from lesson_utils.serving.cost_model import StepWork
@@ -106,7 +106,7 @@ def _positive_int(value, what: str) -> int:
 class Engine:
     """Serve token-id requests on any cache that has a memory manager (greedy unless told otherwise)."""
 
-    w: OPTWeights
+    w: ModelWeights
     cache: object  # a PagedKVCache (lesson 03); anything with a ``manager`` implementing MemoryManager
     max_num_seqs: int | None = None
     stop_at_eos: bool = True

@@ -10,7 +10,7 @@ from lesson_utils.cache.host_blocks import HostBlocks
 from lesson_utils.cache.seam import StepBatch
 from lesson_utils.core.host_copy import to_device
 from lesson_utils.core.types import Sequence
-from lesson_utils.model.opt_forward import OPTWeights, forward
+from lesson_utils.model.weights import ModelWeights, forward
 from lesson_utils.serving.output import RunnerOutput, StepPlan
 
 
@@ -20,7 +20,7 @@ class ModelRunner:
     sequences the plan says sample (``plan.sampling``). It changes no sequence: the scheduler's
     ``update_from_output`` advances the counts and picks the tokens."""
 
-    def __init__(self, w: OPTWeights, cache, host_blocks: HostBlocks | None = None):
+    def __init__(self, w: ModelWeights, cache, host_blocks: HostBlocks | None = None):
         self.w, self.cache, self.host_blocks = w, cache, host_blocks  # host_blocks: the swap space's data
         # the engine's step checkpoint (StepCheckpoint.protect) while a step runs: called before anything is written
         self.before_writes: Callable[[], None] | None = None

@@ -23,8 +23,9 @@ from lesson_utils.cache.dense import DenseKVCache
 from lesson_utils.cache.seam import StepBatch
 from lesson_utils.core.env import Profile
 from lesson_utils.model import loading as model_mod
+from lesson_utils.model.generate import generate_greedy
 from lesson_utils.model.loading import ByteTokenizer, LoadedModel, load_model, opt125m_config, tiny_opt_config
-from lesson_utils.model.opt_forward import OPTWeights, forward, generate_greedy
+from lesson_utils.model.opt_forward import OPTWeights, forward
 
 ATOL = 1e-4  # fp32, max |ours - HF| over all logits
 

@@ -32,7 +32,8 @@ from lesson_utils.kernels import paged_attention as K
 from lesson_utils.lab import benchmark
 from lesson_utils.memory import contiguous
 from lesson_utils.memory.swap import SwapSpace
-from lesson_utils.model.opt_forward import OPTWeights, generate_greedy
+from lesson_utils.model.generate import generate_greedy
+from lesson_utils.model.opt_forward import OPTWeights
 from lesson_utils.serving.engine import Engine
 
 N_NEW = 6

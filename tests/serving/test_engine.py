@@ -29,7 +29,7 @@ from lesson_utils.lab import workloads
 from lesson_utils.memory.block_manager import BlockManager
 from lesson_utils.memory.block_table import blocks_needed
 from lesson_utils.memory.reservation import ContiguousReservationManager
-from lesson_utils.model.opt_forward import generate_greedy
+from lesson_utils.model.generate import generate_greedy
 from lesson_utils.serving import simulator
 from lesson_utils.serving.engine import Engine
 
