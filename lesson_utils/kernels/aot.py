@@ -60,9 +60,25 @@ def course_configs() -> list[KernelConfig]:
         configs.append(KernelConfig("decode-tiled", "fp16", head_dim, 16, 4))
     for block_size in (8, 32, 64):  # the tests' other block sizes
         configs.append(KernelConfig("decode-tiled", "fp16", 64, block_size, 4))
+    configs += modern_configs()
     configs.append(KernelConfig("write-kv", "fp16", 64, num_kv_heads=12))  # OPT-125m: 768, not a power of two
     configs.append(KernelConfig("write-kv", "fp32", 64, num_kv_heads=12))
     configs.append(KernelConfig("write-kv", "fp16", 80, num_kv_heads=2))
+    return configs
+
+
+# The modern models' attention geometries (lesson 00's table): (name, head_dim, query heads per KV head, KV heads).
+MODERN_GEOMETRIES = (("SmolLM2-135M", 64, 3, 3), ("Qwen3-0.6B", 128, 2, 8), ("Llama-3.2-1B", 64, 4, 8))
+
+
+def modern_configs() -> list[KernelConfig]:
+    """The decode kernel (both variants) and the KV write at the geometries of SmolLM2-135M, Qwen3-0.6B and
+    Llama-3.2-1B in fp16: grouped-query attention as a T4 would serve them."""
+    configs = []
+    for _, head_dim, group, kv_heads in MODERN_GEOMETRIES:
+        for kernel in ("decode-simple", "decode-tiled"):
+            configs.append(KernelConfig(kernel, "fp16", head_dim, 16, group, num_kv_heads=kv_heads))
+        configs.append(KernelConfig("write-kv", "fp16", head_dim, num_kv_heads=kv_heads))
     return configs
 
 
@@ -73,7 +89,8 @@ def unified_configs() -> list[KernelConfig]:
         KernelConfig("unified", "fp16", 64, 16, 1, block_q=8),
         KernelConfig("unified", "fp16", 64, 16, 1, block_q=1),
         KernelConfig("unified", "fp32", 64, 16, 1, block_q=8),
-        KernelConfig("unified", "fp16", 128, 16, 4, block_q=8),
+        KernelConfig("unified", "fp16", 128, 16, 4, block_q=2),  # 2 tokens x 4 heads: the 8 rows the engine runs
+        KernelConfig("unified", "fp16", 64, 16, 3, block_q=2),  # SmolLM2-135M's 3:1 (4 rows per token, padded)
     ]
 
 
@@ -188,6 +205,7 @@ def _compile_one(cfg: KernelConfig, target: str) -> CompileResult:
             "stride_kv_head": "i32",
             "stride_scale_slot": "i32",
             "GROUP": "constexpr",
+            "GROUP_P": "constexpr",
             "HEAD_DIM": "constexpr",
             "HEAD_DIM_P": "constexpr",
             "BLOCK_SIZE": "constexpr",
@@ -198,6 +216,7 @@ def _compile_one(cfg: KernelConfig, target: str) -> CompileResult:
         }
         constexprs = {
             "GROUP": cfg.group,
+            "GROUP_P": triton.next_power_of_2(cfg.group),
             "HEAD_DIM": cfg.head_dim,
             "HEAD_DIM_P": triton.next_power_of_2(cfg.head_dim),
             "BLOCK_SIZE": cfg.block_size,
@@ -225,7 +244,9 @@ def _compile_one(cfg: KernelConfig, target: str) -> CompileResult:
             "stride_slot": "i32",
             "stride_kv_head": "i32",
             "stride_scale_slot": "i32",
+            "NUM_KV_HEADS": "constexpr",
             "GROUP": "constexpr",
+            "GROUP_P": "constexpr",
             "HEAD_DIM": "constexpr",
             "HEAD_DIM_P": "constexpr",
             "BLOCK_SIZE": "constexpr",
@@ -233,10 +254,13 @@ def _compile_one(cfg: KernelConfig, target: str) -> CompileResult:
             "SLOTS": "constexpr",
             "UPDATE": "constexpr",
             "LOAD": "constexpr",
+            "HEADS": "constexpr",
         }
-        tile = kernels.tile_tokens(cfg.kernel.removeprefix("decode-"), cfg.block_size, cfg.head_dim)
+        tile = kernels.tile_tokens(cfg.kernel.removeprefix("decode-"), cfg.block_size, cfg.head_dim, cfg.group)
         constexprs = {
+            "NUM_KV_HEADS": cfg.num_kv_heads,
             "GROUP": cfg.group,
+            "GROUP_P": triton.next_power_of_2(cfg.group),
             "HEAD_DIM": cfg.head_dim,
             "HEAD_DIM_P": triton.next_power_of_2(cfg.head_dim),
             "BLOCK_SIZE": cfg.block_size,
@@ -244,6 +268,7 @@ def _compile_one(cfg: KernelConfig, target: str) -> CompileResult:
             "SLOTS": kernels.block_slots,
             "UPDATE": kernels.online_softmax_update,
             "LOAD": load,
+            "HEADS": kernels.group_query_heads,
         }
     try:
         src = ASTSource(fn=fn, signature=signature, constexprs=constexprs)

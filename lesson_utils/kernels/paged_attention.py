@@ -30,6 +30,7 @@ from lesson_utils.core.device_discipline import check_kernel_args, kernel_launch
 
 __all__ = [
     "block_slots",
+    "group_query_heads",
     "online_softmax_update",
     "paged_attention_decode",
     "write_kv_to_cache",
@@ -55,10 +56,12 @@ def block_slots(block_table_row_ptr, start, context_len, TILE: tl.constexpr, BLO
 def online_softmax_update(m_i, l_i, acc, scores, v):
     """Fold one tile of keys into a running softmax-weighted sum (Milakov & Gimelshein's online softmax).
 
-    ``m_i``: running max of the scores so far; ``l_i``: running sum of ``exp(score - m_i)``;
-    ``acc``: running ``sum(exp(score - m_i) * v)``, ``[HEAD_DIM]``. ``scores``: ``[TILE]`` (masked entries
-    are ``-inf``), ``v``: ``[TILE, HEAD_DIM]``. Rescaling by ``exp(m_old - m_new)`` keeps every exponent
-    <= 0, so nothing overflows whatever the scores' size.
+    Axis 0 is always the tile's tokens; the kernel serves the ``G`` query heads of one KV head together
+    (grouped-query attention; ``G = 1`` for multi-head attention), and every other axis just broadcasts:
+    ``scores``: ``[TILE, G]`` (masked entries are ``-inf``), ``v``: ``[TILE, HEAD_DIM, 1]``;
+    ``m_i``: running max of each head's scores so far, ``[G]``; ``l_i``: running sum of ``exp(score - m_i)``,
+    ``[G]``; ``acc``: running ``sum(exp(score - m_i) * v)``, ``[HEAD_DIM, G]``. Rescaling by
+    ``exp(m_old - m_new)`` keeps every exponent <= 0, so nothing overflows whatever the scores' size.
     """
     m_new = tl.maximum(m_i, tl.max(scores, 0))
     alpha = tl.exp(m_i - m_new)
@@ -66,6 +69,16 @@ def online_softmax_update(m_i, l_i, acc, scores, v):
     l_new = l_i * alpha + tl.sum(p, 0)
     acc = acc * alpha + tl.sum(p[:, None] * v, 0)
     return m_new, l_new, acc
+
+
+@triton.jit
+def group_query_heads(kv_head, GROUP: tl.constexpr, GROUP_P: tl.constexpr, NUM_KV_HEADS: tl.constexpr):
+    """The query heads that read KV head ``kv_head``, ``[GROUP_P]``, and which of them exist (``GROUP_P`` is
+    ``GROUP`` rounded up to a power of two). Hugging Face's ``repeat_kv`` repeats each KV head ``GROUP`` times in
+    a row, so query head ``h`` reads KV head ``h // GROUP``: KV head ``j`` serves heads ``j * GROUP ..
+    j * GROUP + GROUP - 1``. Reference for lesson 04's exercise 3."""
+    g = tl.arange(0, GROUP_P)
+    return kv_head * GROUP + g, g < GROUP
 
 
 @triton.jit
@@ -94,7 +107,9 @@ def paged_decode_kernel(
     stride_slot,
     stride_kv_head,
     stride_scale_slot,  # num_kv_heads: one scale per slot and KV head
+    NUM_KV_HEADS: tl.constexpr,
     GROUP: tl.constexpr,  # query heads per KV head
+    GROUP_P: tl.constexpr,  # GROUP rounded up to a power of two
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_P: tl.constexpr,  # HEAD_DIM rounded up to a power of two
     BLOCK_SIZE: tl.constexpr,
@@ -102,47 +117,53 @@ def paged_decode_kernel(
     SLOTS: tl.constexpr,  # the block-table lookup (block_slots or a learner's version)
     UPDATE: tl.constexpr,  # the online-softmax step (online_softmax_update or a learner's version)
     LOAD: tl.constexpr,  # reads a K or V tile as fp32 (load_tile, or lesson 10's int8 version)
+    HEADS: tl.constexpr,  # the query heads of a KV head (group_query_heads or a learner's version)
 ):
-    """One program per (sequence, query head)."""
+    """One program per (sequence, KV head): each K/V tile is loaded once and serves every query head of the group."""
     seq = tl.program_id(0)
-    head = tl.program_id(1)
-    kv_head = head // GROUP
+    kv_head = tl.program_id(1)
     context_len = tl.load(context_lens_ptr + seq)
 
+    heads, head_mask = HEADS(kv_head, GROUP, GROUP_P, NUM_KV_HEADS)  # [GROUP_P]
     d = tl.arange(0, HEAD_DIM_P)
     d_mask = d < HEAD_DIM
-    q = tl.load(q_ptr + seq * stride_q_seq + head * stride_q_head + d, mask=d_mask, other=0.0).to(tl.float32)
+    # the group's queries, one column per head: [HEAD_DIM_P, GROUP_P]
+    qd_offsets = seq * stride_q_seq + heads[None, :] * stride_q_head + d[:, None]
+    qd_mask = d_mask[:, None] & head_mask[None, :]
+    q = tl.load(q_ptr + qd_offsets, mask=qd_mask, other=0.0).to(tl.float32)
 
-    m_i = tl.full([], float("-inf"), tl.float32)
-    l_i = tl.zeros([], tl.float32)
-    acc = tl.zeros([HEAD_DIM_P], tl.float32)
+    m_i = tl.full([GROUP_P], float("-inf"), tl.float32)
+    l_i = tl.zeros([GROUP_P], tl.float32)
+    acc = tl.zeros([HEAD_DIM_P, GROUP_P], tl.float32)
     for start in range(0, context_len, TILE):
         slot, token_mask = SLOTS(block_tables_ptr + seq * stride_bt_seq, start, context_len, TILE, BLOCK_SIZE)
         # 64-bit: slot * stride_slot passes 2**31 in a pool of ~2.8M OPT-125m slots (a large GPU's memory)
         offsets = slot.to(tl.int64)[:, None] * stride_slot + kv_head * stride_kv_head + d[None, :]
         scale_offsets = slot.to(tl.int64) * stride_scale_slot + kv_head
         kv_mask = token_mask[:, None] & d_mask[None, :]
-        k = LOAD(k_cache_ptr + offsets, k_scale_ptr + scale_offsets, kv_mask, token_mask)
-        scores = tl.sum(k * q[None, :], 1) * scale
-        scores = tl.where(token_mask, scores, float("-inf"))
+        k = LOAD(k_cache_ptr + offsets, k_scale_ptr + scale_offsets, kv_mask, token_mask)  # [TILE, HEAD_DIM_P], once
+        scores = tl.sum(k[:, :, None] * q[None, :, :], 1) * scale  # [TILE, GROUP_P]: every head of the group
+        scores = tl.where(token_mask[:, None], scores, float("-inf"))
         v = LOAD(v_cache_ptr + offsets, v_scale_ptr + scale_offsets, kv_mask, token_mask)
-        m_i, l_i, acc = UPDATE(m_i, l_i, acc, scores, v)
+        m_i, l_i, acc = UPDATE(m_i, l_i, acc, scores, v[:, :, None])
 
-    out = acc / l_i
-    tl.store(out_ptr + seq * stride_o_seq + head * stride_o_head + d, out.to(out_ptr.dtype.element_ty), mask=d_mask)
+    out = acc / l_i[None, :]
+    o_offsets = seq * stride_o_seq + heads[None, :] * stride_o_head + d[:, None]
+    tl.store(out_ptr + o_offsets, out.to(out_ptr.dtype.element_ty), mask=qd_mask)
 
 
 VARIANTS = ("simple", "tiled")
 
 
-TILE_ELEMENTS = 4096  # the tiled variant loads about this many K (and V) elements per loop step
+TILE_ELEMENTS = 4096  # the tiled variant multiplies about this many K (and V) elements per loop step
 
 
-def tile_tokens(variant: str, block_size: int, head_dim: int) -> int:
-    """Tokens per loop step: one block ("simple"), or enough blocks for ~TILE_ELEMENTS elements ("tiled")."""
+def tile_tokens(variant: str, block_size: int, head_dim: int, group: int = 1) -> int:
+    """Tokens per loop step: one block ("simple"), or enough blocks for ~TILE_ELEMENTS products ("tiled"): a tile
+    of ``t`` tokens costs ``t x head_dim x group`` products per step (every query head of the group)."""
     if variant == "simple":
         return block_size
-    return max(block_size, TILE_ELEMENTS // triton.next_power_of_2(head_dim))
+    return max(block_size, TILE_ELEMENTS // (triton.next_power_of_2(head_dim) * triton.next_power_of_2(group)))
 
 
 def _check_decode_inputs(q, k_cache, v_cache, block_tables, context_lens, validate: bool):
@@ -216,6 +237,7 @@ def paged_attention_decode(
     variant: str = "tiled",
     slots_fn=None,
     update_fn=None,
+    heads_fn=None,
     num_warps: int = 4,
     validate: bool = True,
     int8_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
@@ -227,7 +249,7 @@ def paged_attention_decode(
     ``[num_blocks, block_size, num_kv_heads, head_dim]``; ``block_tables`` int32
     ``[num_seqs, max_blocks_per_seq]``; ``context_lens`` int32 ``[num_seqs]``. Returns
     ``[num_seqs, num_heads, head_dim]`` in ``q``'s dtype. ``slots_fn``/``update_fn`` replace the two
-    building blocks (lesson 04's exercises). Block ids are trusted: validate tables where they are built.
+    building blocks (lesson 04's exercises), ``heads_fn`` the query-head mapping (its exercise 3). Block ids are trusted: validate tables where they are built.
     ``validate=False`` skips the checks that read ``context_lens`` back from the device (one sync each): for
     the engine, which checks its host-side lengths itself, and for benchmarks' timed loops. Lesson 10's int8
     caches come through :func:`lesson_utils.kernels.int8_kv.int8_paged_attention_decode`, which passes their
@@ -247,9 +269,10 @@ def paged_attention_decode(
     out = torch.empty_like(q)
     if num_seqs == 0:
         return out
-    tile = tile_tokens(variant, block_size, head_dim)
+    tile = tile_tokens(variant, block_size, head_dim, num_heads // num_kv_heads)
     with kernel_launch():
-        paged_decode_kernel[(num_seqs, num_heads)](
+        group = num_heads // num_kv_heads
+        paged_decode_kernel[(num_seqs, num_kv_heads)](
             out,
             q,
             k_cache,
@@ -267,7 +290,9 @@ def paged_attention_decode(
             k_cache.stride(1),
             k_cache.stride(2),
             num_kv_heads,
-            GROUP=num_heads // num_kv_heads,
+            NUM_KV_HEADS=num_kv_heads,
+            GROUP=group,
+            GROUP_P=triton.next_power_of_2(group),
             HEAD_DIM=head_dim,
             HEAD_DIM_P=triton.next_power_of_2(head_dim),
             BLOCK_SIZE=block_size,
@@ -275,6 +300,7 @@ def paged_attention_decode(
             SLOTS=block_slots if slots_fn is None else slots_fn,
             UPDATE=online_softmax_update if update_fn is None else update_fn,
             LOAD=load_tile if load_fn is None else load_fn,
+            HEADS=group_query_heads if heads_fn is None else heads_fn,
             num_warps=num_warps,
         )
     return out

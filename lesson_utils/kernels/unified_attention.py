@@ -5,8 +5,10 @@ prefill) whose K/V are already written; its context is ``context_len`` tokens, t
 of a sequence sits at position ``context_len - query_len + j`` and sees keys ``0 ..`` that position (the causal
 rule). One launch serves the whole flat batch, in the style of vLLM v1's unified Triton attention:
 
-* a program takes ``BLOCK_Q`` query tokens of one sequence and one query head (grid: sequences x query tiles x
-  heads); a tile past the end of its sequence's queries returns at once;
+* a program takes ``BLOCK_Q`` query tokens of one sequence and every query head of one KV head (grid: sequences
+  x query tiles x KV heads): its ``BLOCK_Q x GROUP`` rows share each K/V tile it loads (grouped-query attention
+  loads a KV head's keys once, not once per query head); a tile past the end of its sequence's queries returns at
+  once;
 * it walks the sequence's block table ``TILE`` keys at a time, up to the last position any of its queries sees,
   and keeps one online softmax per query row (lesson 04's, widened to a tile of queries);
 * the causal mask is a ``constexpr`` building block (:func:`causal_mask`, lesson 08's exercise), so a learner's
@@ -57,34 +59,38 @@ def unified_attention_kernel(
     stride_kv_head,
     stride_scale_slot,  # num_kv_heads: one scale per slot and KV head
     GROUP: tl.constexpr,  # query heads per KV head
+    GROUP_P: tl.constexpr,  # GROUP rounded up to a power of two
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_P: tl.constexpr,  # HEAD_DIM rounded up to a power of two
     BLOCK_SIZE: tl.constexpr,
-    BLOCK_Q: tl.constexpr,  # query tokens per program
+    BLOCK_Q: tl.constexpr,  # query tokens per program (times GROUP_P heads: its rows)
     TILE: tl.constexpr,  # keys per loop step
     MASK: tl.constexpr,  # the causal rule (causal_mask or a learner's version)
     LOAD: tl.constexpr,  # reads a K or V tile as fp32 (lesson 04's load_tile, or lesson 10's int8 version)
 ):
     seq = tl.program_id(0)
     q_tile = tl.program_id(1)
-    head = tl.program_id(2)
-    kv_head = head // GROUP
+    kv_head = tl.program_id(2)
     q_start = tl.load(query_start_ptr + seq)
     query_len = tl.load(query_start_ptr + seq + 1) - q_start
     if q_tile * BLOCK_Q < query_len:
         context_len = tl.load(context_lens_ptr + seq)
-        rows = q_tile * BLOCK_Q + tl.arange(0, BLOCK_Q)  # this tile's queries, counted within the sequence
-        row_mask = rows < query_len
+        # row r: query token r // GROUP_P of this tile, query head kv_head * GROUP + r % GROUP_P
+        r = tl.arange(0, BLOCK_Q * GROUP_P)
+        rows = q_tile * BLOCK_Q + r // GROUP_P  # this row's query, counted within the sequence
+        g = r % GROUP_P
+        row_mask = (rows < query_len) & (g < GROUP)
+        head = kv_head * GROUP + g
         query_pos = context_len - query_len + rows
         d = tl.arange(0, HEAD_DIM_P)
         d_mask = d < HEAD_DIM
-        q_offsets = (q_start + rows)[:, None] * stride_q_token + head * stride_q_head + d[None, :]
+        q_offsets = (q_start + rows)[:, None] * stride_q_token + head[:, None] * stride_q_head + d[None, :]
         q_mask = row_mask[:, None] & d_mask[None, :]
-        q = tl.load(q_ptr + q_offsets, mask=q_mask, other=0.0).to(tl.float32)  # [BLOCK_Q, HEAD_DIM_P]
+        q = tl.load(q_ptr + q_offsets, mask=q_mask, other=0.0).to(tl.float32)  # [BLOCK_Q * GROUP_P, HEAD_DIM_P]
 
-        m_i = tl.full([BLOCK_Q], float("-inf"), tl.float32)
-        l_i = tl.zeros([BLOCK_Q], tl.float32)
-        acc = tl.zeros([BLOCK_Q, HEAD_DIM_P], tl.float32)
+        m_i = tl.full([BLOCK_Q * GROUP_P], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_Q * GROUP_P], tl.float32)
+        acc = tl.zeros([BLOCK_Q * GROUP_P, HEAD_DIM_P], tl.float32)
         # keys up to the tile's last query position, which the last valid row sees
         last = tl.minimum(context_len, context_len - query_len + tl.minimum(query_len, (q_tile + 1) * BLOCK_Q))
         for start in range(0, last, TILE):
@@ -96,7 +102,7 @@ def unified_attention_kernel(
             kv_mask = key_exists[:, None] & d_mask[None, :]
             k = LOAD(k_cache_ptr + offsets, k_scale_ptr + scale_offsets, kv_mask, key_exists)  # [TILE, HEAD_DIM_P]
             v = LOAD(v_cache_ptr + offsets, v_scale_ptr + scale_offsets, kv_mask, key_exists)
-            scores = tl.sum(q[:, None, :] * k[None, :, :], 2) * scale  # [BLOCK_Q, TILE]
+            scores = tl.sum(q[:, None, :] * k[None, :, :], 2) * scale  # [rows, TILE]
             seen = MASK(query_pos, key_pos, context_len) & row_mask[:, None]
             scores = tl.where(seen, scores, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(scores, 1))
@@ -107,16 +113,18 @@ def unified_attention_kernel(
             acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], 1)
             m_i = m_new
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-        o_offsets = (q_start + rows)[:, None] * stride_o_token + head * stride_o_head + d[None, :]
+        o_offsets = (q_start + rows)[:, None] * stride_o_token + head[:, None] * stride_o_head + d[None, :]
         tl.store(out_ptr + o_offsets, out.to(out_ptr.dtype.element_ty), mask=q_mask)
 
 
-MAX_QUERY_TILE = 8  # on sm_75, 16 queries x a 16-key tile x head_dim 64 takes all 255 registers (see the AOT report)
+MAX_QUERY_TILE = 8  # on sm_75, 16 rows x a 16-key tile x head_dim 64 takes all 255 registers (see the AOT report)
 
 
-def query_tile(max_query_len: int) -> int:
-    """Queries per program: the longest query rounded up to a power of two, between 1 and MAX_QUERY_TILE."""
-    return min(MAX_QUERY_TILE, triton.next_power_of_2(max(1, max_query_len)))
+def query_tile(max_query_len: int, group: int = 1) -> int:
+    """Query tokens per program: the longest query rounded up to a power of two, at most MAX_QUERY_TILE rows in all
+    with each token's ``group`` query heads (rounded up to a power of two), and at least 1."""
+    rows_per_token = triton.next_power_of_2(group)
+    return max(1, min(MAX_QUERY_TILE // rows_per_token, triton.next_power_of_2(max(1, max_query_len))))
 
 
 def unified_attention(
@@ -208,8 +216,9 @@ def unified_attention(
     if num_seqs == 0 or num_tokens == 0:
         return out
     k_scale, v_scale = int8_scales if int8_scales is not None else (k_cache, v_cache)  # unused without int8
-    block_q = query_tile(max_query_len)
-    grid = (num_seqs, triton.cdiv(max_query_len, block_q), num_heads)
+    group = num_heads // num_kv_heads
+    block_q = query_tile(max_query_len, group)
+    grid = (num_seqs, triton.cdiv(max_query_len, block_q), num_kv_heads)
     with kernel_launch():
         unified_attention_kernel[grid](
             out,
@@ -230,7 +239,8 @@ def unified_attention(
             k_cache.stride(1),
             k_cache.stride(2),
             num_kv_heads,
-            GROUP=num_heads // num_kv_heads,
+            GROUP=group,
+            GROUP_P=triton.next_power_of_2(group),
             HEAD_DIM=head_dim,
             HEAD_DIM_P=triton.next_power_of_2(head_dim),
             BLOCK_SIZE=block_size,
