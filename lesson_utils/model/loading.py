@@ -1,11 +1,12 @@
-"""Loading OPT for the lessons - pretrained when possible, random weights when not.
+"""Loading a model for the lessons (OPT, Llama, Qwen2 or Qwen3) - pretrained when possible, random weights when not.
 
 ``load_model()`` tries, in order:
 
 1. ``local_path`` if given: a folder written by ``save_pretrained`` (the ordinary Hugging Face path);
-2. the ``ci`` profile: a tiny random OPT, built without touching the network;
+2. the ``ci`` profile: a tiny random model of the same family (``catalog.tiny_config``), built without the network;
 3. the local Hugging Face cache, then the hub (``facebook/opt-125m`` by default);
-4. when the hub cannot be reached: random weights with OPT-125m's geometry and a byte-level tokenizer.
+4. when the hub cannot be reached: random weights with the named model's geometry (its config ships with the
+   package: ``catalog.SHIPPED``; OPT-125m's for a name it does not know) and a byte-level tokenizer.
 
 Every fallback prints a boxed NOTICE. Random weights produce gibberish text, but every measurement the
 course makes - bytes of KV cache, blocks in use, fragmentation, step times - depends only on the model's
@@ -24,12 +25,22 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
-import torch
-
 from lesson_utils.core.env import Profile, get_profile
 from lesson_utils.core.progress import busy
+from lesson_utils.model.catalog import (  # noqa: F401 - tiny_opt_config is re-exported
+    SHIPPED,
+    opt125m_config,
+    random_causal_lm,
+    shipped_config,
+    shipped_fields,
+    tiny_config,
+    tiny_opt_config,
+)
+from lesson_utils.model.config_check import check_config
 
 DEFAULT_MODEL = "facebook/opt-125m"
+MODERN_MODEL = "HuggingFaceTB/SmolLM2-135M"  # the modern default: Llama architecture, 9 query heads, 3 KV heads
+FAMILY_NAMES = {"opt": "OPT", "llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3"}
 
 
 class ByteTokenizer:
@@ -70,43 +81,11 @@ class ByteTokenizer:
         return "".join(out)
 
 
-def tiny_opt_config():
-    """The ``ci`` profile's model: OPT's architecture (pre-LN, ReLU, learned positions) at toy size.
-
-    512 positions leave room for prompts written with the byte tokenizer (one token per byte); the
-    vocabulary (320) covers the byte tokenizer's 260 ids. Weights are drawn 10x wider than OPT's default
-    (``init_std=0.2``): with the default the toy model's attention is almost uniform and its output hardly
-    depends on the context, so K/V written to the wrong block left every output token unchanged
-    (``tests/cache/test_model_and_forward.py`` shows that this model notices).
-    """
-    from transformers import OPTConfig
-
-    return OPTConfig(
-        init_std=0.2,
-        vocab_size=320,
-        hidden_size=64,
-        word_embed_proj_dim=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        ffn_dim=256,
-        max_position_embeddings=512,
-        do_layer_norm_before=True,
-    )
-
-
-def opt125m_config():
-    """OPT-125m's geometry: ``OPTConfig()``'s defaults (12 layers, 768 hidden, 12 heads, 50272 tokens,
-    2048 positions)."""
-    from transformers import OPTConfig
-
-    return OPTConfig()
-
-
 @dataclass
 class LoadedModel:
     """A model ready for the lessons, and where it came from.
 
-    ``model`` is a Hugging Face ``OPTForCausalLM`` in eval mode on the profile's device and dtype;
+    ``model`` is a Hugging Face causal LM (OPT, Llama, Qwen2 or Qwen3) in eval mode on the profile's device and dtype;
     ``is_pretrained`` is False when its weights are random (its text is then gibberish).
     """
 
@@ -125,7 +104,7 @@ def load_model(
     seed: int = 0,
     quiet: bool = False,
 ) -> LoadedModel:
-    """Load OPT for this profile (see the module docstring for the order things are tried in).
+    """Load ``name`` for this profile (see the module docstring for the order things are tried in).
 
     ``seed`` seeds the random initialisation of a fallback model, so two calls give the same weights.
     ``quiet`` (a folder only: lesson 09's workers, whose parent says what they load) prints no notice and no
@@ -135,8 +114,10 @@ def load_model(
     if local_path is not None:
         loaded = _load_from_folder(Path(local_path), quiet=quiet)
     elif profile.name == "ci":
-        why = "the ci profile never downloads; a tiny random OPT lets the course run in minutes."
-        loaded = _random_model(tiny_opt_config(), seed, "random weights, tiny OPT (ci profile)", why=why)
+        family = _family(name)
+        why = f"the ci profile never downloads; a tiny random {FAMILY_NAMES[family]} lets the course run in minutes."
+        source = f"random weights, tiny {FAMILY_NAMES[family]} (ci profile)"
+        loaded = _random_model(tiny_config(family), seed, source, why=why)
     else:
         with busy(f"loading {name} (or building it with random weights)"):
             loaded = _load_from_hub_or_random(name, seed)
@@ -204,8 +185,14 @@ def _load_from_hub_or_random(name: str, seed: int) -> LoadedModel:
                 return _from_pretrained(name, local_files_only=False, source=source)
         except _hub_errors() as e:
             why = f"downloading {name} failed: {type(e).__name__}: {_first_line(e)}"
-    source = "random weights, OPT-125m geometry (hub unreachable)"
-    return _random_model(opt125m_config(), seed, source, why=why)
+    if _family(name) != "opt":  # a modern model the course ships a config for (catalog.SHIPPED)
+        return _random_model(shipped_config(name), seed, f"random weights, {name} geometry (hub unreachable)", why=why)
+    return _random_model(opt125m_config(), seed, "random weights, OPT-125m geometry (hub unreachable)", why=why)
+
+
+def _family(name: str) -> str:
+    """The model_type of a named model the course ships a config for; "opt" for any other name."""
+    return shipped_fields(name)["model_type"] if name in SHIPPED else "opt"
 
 
 def _from_pretrained(name: str, *, local_files_only: bool, source: str) -> LoadedModel:
@@ -217,14 +204,12 @@ def _from_pretrained(name: str, *, local_files_only: bool, source: str) -> Loade
 
 
 def _random_model(config, seed: int, source: str, *, why: str) -> LoadedModel:
-    from transformers import OPTForCausalLM
-
-    torch.manual_seed(seed)  # same seed, same weights: fallback runs are reproducible
-    model = OPTForCausalLM(config)
+    check_config(config)  # an unsupported config is refused before a byte of it is allocated
+    model = random_causal_lm(config, seed)  # same seed, same weights: fallback runs are reproducible
     print_notice(
         f"The model has RANDOM weights ({source}).",
         f"Why: {why}",
-        "Generated text will be gibberish, and a byte-level tokenizer stands in for OPT's.",
+        "Generated text will be gibberish, and a byte-level tokenizer stands in for the model's.",
         "Every memory and timing lesson still holds: they depend on the model's shapes, not its weights.",
     )
     return LoadedModel(model, ByteTokenizer(), source, False, model.config)

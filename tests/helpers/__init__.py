@@ -124,3 +124,26 @@ class ReservesSlots:
 
 class ReservingPagedKVCache(ReservesSlots, PagedKVCache):
     """Lesson 03's paged cache that reserves its own slots (:class:`ReservesSlots`)."""
+
+
+def reference_beam_search(model, prompt: list[int], k: int, max_new_tokens: int) -> list[int]:
+    """Fixed-length beam search with no cache: every beam is run from scratch through HF each step."""
+    beams: list[tuple[list[int], float]] = [([], 0.0)]
+    with torch.no_grad():
+        for _ in range(max_new_tokens):
+            logp = torch.stack(
+                [
+                    torch.log_softmax(model(torch.tensor([prompt + toks])).logits[0, -1].float(), dim=-1)
+                    for toks, _ in beams
+                ]
+            )
+            total = (torch.tensor([sc for _, sc in beams], dtype=torch.float32)[:, None] + logp).flatten()
+            order = torch.argsort(-total, stable=True)
+            if len(order) > k:  # who survives is well defined: no near-tie at the cut
+                assert (total[order[k - 1]] - total[order[k]]).item() > MIN_MARGIN, "near-tie at the beam cut"
+            vocab = logp.shape[1]
+            beams = [(beams[i // vocab][0] + [i % vocab], float(total[i])) for i in order[:k].tolist()]
+    scores = sorted((sc for _, sc in beams), reverse=True)
+    if k > 1:  # which one is best is well defined too
+        assert scores[0] - scores[1] > MIN_MARGIN, "near-tie between the best beams"
+    return max(beams, key=lambda b: b[1])[0]
