@@ -38,7 +38,9 @@ def kv_bytes_per_token(config, dtype_bytes: int) -> int:
 
 
 def count_parameters(config) -> int:
-    """Parameters of an OPT model from its config (embeddings tied with the output layer)."""
+    """Parameters of an OPT, Llama, Qwen2 or Qwen3 model from its config (a tied output layer counted once)."""
+    if getattr(config, "model_type", "opt") != "opt":
+        return _count_llama_family(config)
     h, f, L, V = config.hidden_size, config.ffn_dim, config.num_hidden_layers, config.vocab_size
     proj = getattr(config, "word_embed_proj_dim", h)
     embed = V * proj + (config.max_position_embeddings + 2) * h
@@ -51,6 +53,19 @@ def count_parameters(config) -> int:
         else 0
     )
     return embed + L * per_layer + final_ln
+
+
+def _count_llama_family(config) -> int:
+    """Llama (optional attention/MLP biases), Qwen2 (q/k/v biases) and Qwen3 (per-head q/k norms)."""
+    h, i, L, V = config.hidden_size, config.intermediate_size, config.num_hidden_layers, config.vocab_size
+    q, kv = config.num_attention_heads * head_dim_of(config), kv_heads_of(config) * head_dim_of(config)
+    qkv_bias = config.model_type == "qwen2" or getattr(config, "attention_bias", False)
+    attn = h * q + 2 * h * kv + q * h + (q + 2 * kv if qkv_bias else 0)
+    attn += h if getattr(config, "attention_bias", False) else 0  # Llama's attention_bias covers o_proj too
+    mlp = 3 * h * i + ((2 * i + h) if getattr(config, "mlp_bias", False) else 0)
+    norms = 2 * h + (2 * head_dim_of(config) if config.model_type == "qwen3" else 0)
+    embed = V * h * (1 if getattr(config, "tie_word_embeddings", False) else 2)
+    return embed + L * (attn + mlp + norms) + h
 
 
 @dataclass(frozen=True)

@@ -244,3 +244,22 @@ def test_offline_a_modern_name_gets_random_weights_of_its_shipped_geometry(monke
     assert "RANDOM weights" in capsys.readouterr().out
     w = weights_from_hf(lm.model)
     assert (w.num_heads, w.num_kv_heads, w.head_dim) == (9, 3, 64)
+
+
+def test_parameter_counts_and_the_kv_table_follow_the_configs():
+    """count_parameters equals the real model's count (built on the meta device: no memory) for every shipped
+    config and a Qwen2 with biases; lesson 00's table holds GQA's factor and a T4 that cannot hold Llama-3-8B."""
+    from transformers import AutoModelForCausalLM
+
+    from lesson_utils.lab.kv_math import count_parameters
+    from lesson_utils.lab.model_table import kv_table
+    from lesson_utils.model.catalog import SHIPPED, shipped_config
+
+    for cfg in [shipped_config(n) for n in SHIPPED] + [tiny_config("qwen2"), tiny_config("qwen3")]:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(cfg)
+        assert count_parameters(cfg) == sum(p.numel() for p in model.parameters()), cfg.model_type
+    rows = {r.name.split("/")[-1]: r for r in kv_table()}
+    assert rows["SmolLM2-135M"].bytes_per_token == 2 * 30 * 3 * 64 * 2 and rows["SmolLM2-135M"].gqa_factor == 3
+    assert rows["Meta-Llama-3-8B"].bytes_per_token == 128 * 1024 and rows["Meta-Llama-3-8B"].budget is None
+    assert rows["opt-125m"].gqa_factor == 1 and rows["opt-125m"].budget.requests_at(2048) > 100
