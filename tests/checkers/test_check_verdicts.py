@@ -33,7 +33,11 @@ WORK = ROOT / "runs" / "ci-students"  # git-ignored: the prepared notebooks, the
 
 
 def _is_check(cell) -> bool:
-    return cell.cell_type == "code" and "checks.check_" in cell.source and ".use" in cell.source
+    return (
+        cell.cell_type == "code"
+        and re.search(r"\bchecks\w*\.check_", cell.source) is not None
+        and ".use" in cell.source
+    )
 
 
 def _with_wrong_first_exercise_and_checks_twice(nb):
