@@ -88,3 +88,12 @@ class Rope:
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate ``x`` ``[num_tokens, heads, head_dim]`` by its tokens' angles (``cos``/``sin`` ``[num_tokens, head_dim]``)."""
     return x * cos[:, None, :] + rotate_half(x) * sin[:, None, :]
+
+
+def rotate_at(x: torch.Tensor, position: int, inv_freq: torch.Tensor) -> torch.Tensor:
+    """``x`` ``[..., head_dim]`` rotated as a token at ``position``: the angles ``position * inv_freq`` in fp32,
+    their cos and sin cast to ``x``'s dtype, then ``x * cos + rotate_half(x) * sin``. A new tensor; ``x`` is not
+    changed. Reference for lesson 12's exercise 1 (what ``apply_rope`` does to every token of a step)."""
+    freqs = position * inv_freq.float()
+    angles = torch.cat((freqs, freqs), dim=-1).to(x.device)
+    return x * angles.cos().to(x.dtype) + rotate_half(x) * angles.sin().to(x.dtype)

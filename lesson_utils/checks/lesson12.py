@@ -1,0 +1,89 @@
+"""Checkers for lesson 12 (the same engine on a modern model): rotating a key by its position (RoPE)."""
+
+from __future__ import annotations
+
+import torch
+
+from lesson_utils.model.rope import rotate_at
+
+from .core import CheckResult, check_function
+
+TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3}
+
+
+def _interleaved(x, position, inv_freq):
+    """The RoPE paper's (and Meta's original code's) pairing: channel 2i with 2i + 1."""
+    angles = (position * inv_freq.float()).repeat_interleave(2).to(x.dtype)
+    pairs = x.unflatten(-1, (-1, 2))
+    turned = torch.stack((-pairs[..., 1], pairs[..., 0]), dim=-1).flatten(-2)
+    return x * angles.cos() + turned * angles.sin()
+
+
+def _cases() -> list[tuple]:
+    g = torch.Generator().manual_seed(12)
+    cases = []
+    for shape, position, theta, dtype in [
+        ((64,), 0, 10000.0, torch.float32),  # position 0: no turn at all
+        ((64,), 1, 10000.0, torch.float32),
+        ((3, 64), 7, 100000.0, torch.float32),  # SmolLM2's theta, three KV heads at once
+        ((2, 80), 300, 10000.0, torch.float32),
+        ((4, 128), 2999, 1000000.0, torch.float32),  # Qwen3's head_dim and theta
+        ((2, 5, 64), 42, 10000.0, torch.float32),  # five tokens at the same position
+        ((3, 64), 123, 100000.0, torch.float16),  # fp16, as a GPU caches it
+    ]:
+        d = shape[-1]
+        inv_freq = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+        cases.append((torch.randn(shape, generator=g).to(dtype), position, inv_freq))
+    return cases
+
+
+def _equal(expected, got) -> bool:
+    if not isinstance(got, torch.Tensor) or got.shape != expected.shape or got.dtype != expected.dtype:
+        return False
+    err = (got.float() - expected.float()).abs().max()
+    return bool(err <= TOLERANCE[expected.dtype])  # NaN-safe: a NaN compares False
+
+
+def _close(a, b) -> bool:
+    return isinstance(b, torch.Tensor) and a.shape == b.shape and bool((a.float() - b.float()).abs().max() <= 1e-2)
+
+
+def _hint(case, expected, got) -> str:
+    x, position, inv_freq = case
+    if not isinstance(got, torch.Tensor):
+        return "return a tensor shaped like x"
+    if got.shape != x.shape:
+        return f"the rotation keeps x's shape {tuple(x.shape)}; got {tuple(got.shape)}"
+    if got.dtype != x.dtype:
+        return f"keep x's dtype ({x.dtype}): cast cos and sin to it, as the model does"
+    if position != 0 and _close(x, got):
+        return "x came back unturned: each pair (i, i + head_dim/2) turns by the angle position * inv_freq[i]"
+    if _close(_interleaved(x, position, inv_freq), got):
+        return (
+            "you paired channel 2i with channel 2i + 1 - the interleaved convention of the RoPE paper and Meta's "
+            "original code. Hugging Face's Llama and Qwen pair channel i with channel i + head_dim / 2 (their "
+            "checkpoints are permuted to match): which channel is channel i's partner there?"
+        )
+    if _close(rotate_at(x, -position, inv_freq), got):
+        return "your rotation turns the wrong way: check the sign in front of the rotated half"
+    for p in (position - 1, position + 1):
+        if _close(rotate_at(x, p, inv_freq), got):
+            return f"that is the rotation for position {p}: positions count from 0, and the key is at `position`"
+    if position == 0:
+        return "at position 0 every angle is 0: the key must come back unchanged"
+    return "each pair (i, i + head_dim/2) turns by the angle position * inv_freq[i]: cos and sin of that angle"
+
+
+def check_rotate_at(fn) -> CheckResult:
+    """Exercise 12-1: ``rotate_at(x, position, inv_freq)`` - x turned as a token at ``position`` (rotate-half
+    pairs, fp32 angles, x's dtype), returned as a new tensor with x unchanged."""
+    return check_function(
+        "rotate_at",
+        fn,
+        rotate_at,
+        _cases(),
+        equal=_equal,
+        show_input=lambda c: f"x of shape {tuple(c[0].shape)} ({c[0].dtype}), position={c[1]}, inv_freq[:{len(c[2])}]",
+        explain=_hint,
+        arg_names=("x", "position", "inv_freq"),
+    )

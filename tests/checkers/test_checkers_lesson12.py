@@ -1,0 +1,75 @@
+"""Lesson 12's RoPE exercise: the reference passes; the plausible wrong rotations are rejected with a hint that names
+the mistake without giving the code (interleaved pairs, the wrong sign, the position off by one, a dtype change, an
+in-place rotation, no rotation at all)."""
+
+from __future__ import annotations
+
+import torch
+from helpers import rejected
+
+from lesson_utils.checks.lesson12 import _interleaved, check_rotate_at
+from lesson_utils.model.rope import rotate_at, rotate_half
+
+
+def _angles(x, position, inv_freq):
+    f = position * inv_freq.float()
+    a = torch.cat((f, f))
+    return a.cos().to(x.dtype), a.sin().to(x.dtype)
+
+
+def backwards(x, position, inv_freq):
+    cos, sin = _angles(x, position, inv_freq)
+    return x * cos - rotate_half(x) * sin
+
+
+def off_by_one(x, position, inv_freq):
+    return rotate_at(x, position + 1, inv_freq)
+
+
+def in_fp32(x, position, inv_freq):
+    return rotate_at(x.float(), position, inv_freq)
+
+
+def in_place(x, position, inv_freq):
+    cos, sin = _angles(x, position, inv_freq)
+    r = rotate_half(x)
+    x.mul_(cos).add_(r * sin)
+    return x
+
+
+def untouched(x, position, inv_freq):
+    return x.clone()
+
+
+def unsolved(x, position, inv_freq):
+    raise NotImplementedError("Exercise 'rotate_at' is not solved yet")
+
+
+def test_the_reference_passes():
+    assert check_rotate_at(rotate_at).passed
+
+
+def test_wrong_rotations_are_rejected_with_their_hint(not_strict):
+    assert rejected(check_rotate_at(_interleaved), "interleaved", "i + head_dim / 2")
+    assert rejected(check_rotate_at(backwards), "wrong way")
+    assert rejected(check_rotate_at(off_by_one), "that is the rotation for position 1")
+    assert rejected(check_rotate_at(in_fp32), "keep x's dtype")
+    assert rejected(check_rotate_at(in_place), "changed its input `x`")
+    assert rejected(check_rotate_at(untouched), "position * inv_freq")
+
+
+def test_an_unsolved_exercise_says_so(not_strict):
+    r = check_rotate_at(unsolved)
+    assert not r.passed and not r.implemented
+
+
+def test_the_reference_is_what_the_model_applies():
+    """rotate_at at position p equals the forward's apply_rope for a token at p (the model's own path)."""
+    from lesson_utils.model.rope import Rope, apply_rope
+
+    inv = 1.0 / (10000.0 ** (torch.arange(0, 64, 2).float() / 64))
+    x = torch.randn(5, 3, 64)
+    cos, sin = Rope(inv).cos_sin(torch.arange(5), x.dtype)
+    rotated = apply_rope(x, cos, sin)
+    for p in range(5):
+        assert torch.equal(rotate_at(x[p], p, inv), rotated[p])
