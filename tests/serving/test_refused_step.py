@@ -225,7 +225,7 @@ def test_a_poisoned_request_is_refused_and_the_others_are_served_as_if_alone(poi
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", sorted(SLOW))
-@settings(max_examples=2, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=1, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
 def test_a_poisoned_request_is_refused_on_the_kernel_paths_too(poisoned, kind, data):
     _check_kind(poisoned, kind, data)
