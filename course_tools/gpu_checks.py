@@ -14,6 +14,7 @@ mode's sync counter) and on CUDA in :mod:`course_tools.gpu_run` (real sizes, ``t
 from __future__ import annotations
 
 import contextlib
+import functools
 import statistics
 import time
 import warnings
@@ -124,6 +125,43 @@ def decode_kernel_bench(
             rows.append(KernelRow(name, case, context, ms, low, high, gbs, gbs / copy_gbs, error))
         rows.append(_int8_decode_row(q, kc, vc, tables, lens, case, context, timer, copy_gbs))
     return rows
+
+
+def gqa_decode_bench(
+    device, dtype, timer: Timer, copy_gbs: float, *, batch=32, contexts=(1024, 4096), query_heads=9, kv_heads=3,
+    head_dim=64, block_size=16,
+) -> list[KernelRow]:  # fmt: skip
+    """Lesson 04's decode kernel at a grouped-query geometry (default SmolLM2-135M's: 9 query heads over 3 KV heads
+    of 64) against gather + SDPA on K/V repeated per query head. Bytes: what one step must read - K and V of every
+    context token for the KV heads, each byte of a group once (the kernel's load count, tests/kernels)."""
+    rows = []
+    group = query_heads // kv_heads
+    for context in contexts:
+        _, kc, vc, tables, lens = _decode_inputs(batch, context, kv_heads, head_dim, block_size, dtype, device)
+        q = torch.randn(batch, query_heads, head_dim, generator=torch.Generator().manual_seed(1)).to(
+            dtype=dtype, device=device
+        )
+        nbytes = 2 * batch * context * kv_heads * head_dim * kc.element_size()
+        krep, vrep = kc.repeat_interleave(group, dim=2), vc.repeat_interleave(group, dim=2)
+        ways = {
+            f"GQA {query_heads}:{kv_heads} paged ({v})": _paged(q, kc, vc, tables, lens, v) for v in ("simple", "tiled")
+        }
+        gathered = f"GQA {query_heads}:{kv_heads} gather + SDPA, K/V repeated"
+        ways[gathered] = functools.partial(_gather_sdpa_decode, q, krep, vrep, tables, context)
+        want = ways[gathered]().float()
+        case = f"decode, {batch} seqs x {context} tokens, {nbytes / 1e6:.1f} MB of K/V per step"
+        for name, fn in ways.items():
+            error = float((fn().float() - want).abs().max())
+            ms, low, high = timer(fn)
+            gbs = nbytes / (ms * 1e-3) / 1e9
+            rows.append(KernelRow(name, case, context, ms, low, high, gbs, gbs / copy_gbs, error))
+    return rows
+
+
+def _paged(q, kc, vc, tables, lens, variant):
+    from lesson_utils.kernels import paged_attention as kernels
+
+    return lambda: kernels.paged_attention_decode(q, kc, vc, tables, lens, variant=variant, validate=False)
 
 
 def _int8_decode_row(q, kc, vc, tables, lens, case, context, timer, copy_gbs) -> KernelRow:

@@ -10,7 +10,9 @@ keeps what came before):
    ``HF_HUB_OFFLINE=1``, so OPT-125m's random-weights fallback unless it is in the local HF cache - said in the
    report; ``--hub`` lets it download);
 2. the device's copy bandwidth, and the kernels against it: lesson 04's decode kernel and lesson 08's unified
-   kernel against gather + SDPA (:mod:`course_tools.gpu_checks`), timed by ``triton.testing.do_bench``;
+   kernel against gather + SDPA (:mod:`course_tools.gpu_checks`), timed by ``triton.testing.do_bench``; the decode
+   kernel also at SmolLM2-135M's grouped-query geometry (9:3), with the bytes a step reads and their share of the
+   copy bandwidth;
 3. the real syncs of every engine kind's steps, from ``torch.cuda.set_sync_debug_mode`` (the course holds itself
    to two a step; a swap-out's deliberate wait is counted apart);
 4. the identity rule on every engine in fp16, its threshold calibrated in the run (the share of steps it could
@@ -93,7 +95,9 @@ def render(results: dict) -> str:
             "| kernel | case | µs, median (p10-p90) | GB/s of K/V (median) | share of copy bandwidth | max error |",
             "|---|---|---|---|---|---|",
         ]
-        for r in results.get("decode_kernels", []) + results.get("unified_kernels", []):
+        for r in (
+            results.get("decode_kernels", []) + results.get("unified_kernels", []) + results.get("gqa_kernels", [])
+        ):
             lines.append(
                 f"| {r['kernel']} | {r['case']} | {r['ms'] * 1e3:.1f} ({r['ms_low'] * 1e3:.1f}-{r['ms_high'] * 1e3:.1f}) | "
                 f"{r['gb_per_s']:.0f} | "
@@ -171,6 +175,7 @@ def run_checks(out: Path, *, notebooks: bool, only: str | None, budget_s: float)
     results["copy_gbs"] = copy_gbs
     results["decode_kernels"] = [asdict(r) for r in G.decode_kernel_bench("cuda", torch.float16, timer, copy_gbs)]
     results["unified_kernels"] = [asdict(r) for r in G.unified_kernel_bench("cuda", torch.float16, timer, copy_gbs)]
+    results["gqa_kernels"] = [asdict(r) for r in G.gqa_decode_bench("cuda", torch.float16, timer, copy_gbs)]
     save(results, out)
 
     print("2/4 syncs per engine step ...", flush=True)

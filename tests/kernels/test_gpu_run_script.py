@@ -48,6 +48,9 @@ def test_the_kernel_benchmarks_check_and_time_every_way_at_tiny_sizes():
     r = rows[0]  # the bytes are K and V of every context token
     assert r.gb_per_s == pytest.approx(2 * 2 * 7 * 2 * 16 * 4 / (r.ms * 1e-3) / 1e9)
     assert r.share_of_copy == pytest.approx(r.gb_per_s / copy)
+    rows = G.gqa_decode_bench("cpu", torch.float32, timer, copy, batch=2, contexts=(9,), head_dim=16, block_size=4)
+    assert len(rows) == 3 and all(r.max_error < 1e-4 for r in rows)
+    assert rows[0].gb_per_s == pytest.approx(2 * 2 * 9 * 3 * 16 * 4 / (rows[0].ms * 1e-3) / 1e9)  # 3 KV heads, once
     rows = G.unified_kernel_bench("cpu", torch.float32, timer, copy, cases=((2, 1, 8), (1, 4, 8)), **kw)
     assert [r.kernel for r in rows] == ["unified", "decode kernel", "unified", "gather + SDPA"]
     assert all(r.max_error < 1e-4 and 0 < r.ms_low <= r.ms <= r.ms_high for r in rows)
