@@ -37,6 +37,35 @@ def _cases() -> list[tuple]:
     return cases
 
 
+def _variant(x, position, inv_freq, *, angle_dtype=torch.float32, interleave=False, sign=1.0, first_half=False):
+    """A rotation with one of the plausible mistakes, to name it in a hint."""
+    freqs = position * inv_freq.to(angle_dtype)
+    angles = freqs.repeat_interleave(2) if interleave else torch.cat((freqs, freqs))
+    half = x.shape[-1] // 2
+    turned = torch.cat((sign * -x[..., half:], x[..., :half]), dim=-1)
+    out = x * angles.cos().to(x.dtype) + turned * angles.sin().to(x.dtype)
+    if first_half:
+        out = torch.cat((out[..., :half], x[..., half:]), dim=-1)
+    return out
+
+
+class _Aliased:
+    """What the checker sees when a learner returns x itself (or a view of it) - never right, even when equal."""
+
+    def __repr__(self) -> str:
+        return "x itself (the same memory as the input)"
+
+
+def _guarded(fn):
+    def call(x, position, inv_freq):
+        out = fn(x, position, inv_freq)
+        if isinstance(out, torch.Tensor) and out.untyped_storage().data_ptr() == x.untyped_storage().data_ptr():
+            return _Aliased()
+        return out
+
+    return call
+
+
 def _equal(expected, got) -> bool:
     if not isinstance(got, torch.Tensor) or got.shape != expected.shape or got.dtype != expected.dtype:
         return False
@@ -50,6 +79,8 @@ def _close(a, b) -> bool:
 
 def _hint(case, expected, got) -> str:
     x, position, inv_freq = case
+    if isinstance(got, _Aliased):
+        return "return a new tensor, not x itself (nor a view of it): the caller keeps using x"
     if not isinstance(got, torch.Tensor):
         return "return a tensor shaped like x"
     if got.shape != x.shape:
@@ -66,6 +97,33 @@ def _hint(case, expected, got) -> str:
         )
     if _close(rotate_at(x, -position, inv_freq), got):
         return "your rotation turns the wrong way: check the sign in front of the rotated half"
+    mistakes = [
+        (
+            dict(angle_dtype=torch.float64),
+            "compute the angles in fp32, as the model does: at far positions float64 "
+            "angles differ from the model's by more than rounding, and the cached keys are the model's",
+        ),
+        (
+            dict(angle_dtype=x.dtype),
+            "compute the angles in fp32 and cast only cos and sin to x's dtype: an fp16 "
+            "angle at a far position is off by whole fractions of a turn",
+        ),
+        (
+            dict(interleave=True),
+            "the pairs are rotate-half pairs (i, i + head_dim/2), so the angle vector is the "
+            "head_dim/2 angles twice in a row, not each angle repeated in place",
+        ),
+        (dict(sign=-1.0), "the turned half is [-x2, x1]: which half gets the minus sign?"),
+        (dict(first_half=True), "both channels of each pair change: the second half of x turns too"),
+    ]
+    for kw, hint in mistakes:
+        if kw.get("angle_dtype") in (torch.float32,) and "interleave" not in kw:
+            continue
+        try:
+            if _close(_variant(x, position, inv_freq, **kw), got):
+                return hint
+        except Exception:  # noqa: BLE001, S112 - a variant that cannot be built for this case names nothing
+            continue
     for p in (position - 1, position + 1):
         if _close(rotate_at(x, p, inv_freq), got):
             return f"that is the rotation for position {p}: positions count from 0, and the key is at `position`"
@@ -77,9 +135,9 @@ def _hint(case, expected, got) -> str:
 def check_rotate_at(fn) -> CheckResult:
     """Exercise 12-1: ``rotate_at(x, position, inv_freq)`` - x turned as a token at ``position`` (rotate-half
     pairs, fp32 angles, x's dtype), returned as a new tensor with x unchanged."""
-    return check_function(
+    result = check_function(
         "rotate_at",
-        fn,
+        _guarded(fn),
         rotate_at,
         _cases(),
         equal=_equal,
@@ -87,3 +145,6 @@ def check_rotate_at(fn) -> CheckResult:
         explain=_hint,
         arg_names=("x", "position", "inv_freq"),
     )
+    if result.passed:
+        result.use = fn
+    return result

@@ -54,7 +54,7 @@ def test_wrong_rotations_are_rejected_with_their_hint(not_strict):
     assert rejected(check_rotate_at(backwards), "wrong way")
     assert rejected(check_rotate_at(off_by_one), "that is the rotation for position 1")
     assert rejected(check_rotate_at(in_fp32), "keep x's dtype")
-    assert rejected(check_rotate_at(in_place), "changed its input `x`")
+    assert rejected(check_rotate_at(in_place), "return a new tensor")  # position 0 first: x returned itself
     assert rejected(check_rotate_at(untouched), "position * inv_freq")
 
 
@@ -73,3 +73,18 @@ def test_the_reference_is_what_the_model_applies():
     rotated = apply_rope(x, cos, sin)
     for p in range(5):
         assert torch.equal(rotate_at(x[p], p, inv), rotated[p])
+
+
+def _mistake(**kw):
+    from lesson_utils.checks.lesson12 import _variant
+
+    return lambda x, position, inv_freq: _variant(x, position, inv_freq, **kw)
+
+
+def test_the_common_slips_get_their_own_hint(not_strict):
+    assert rejected(check_rotate_at(_mistake(angle_dtype=torch.float64)), "compute the angles in fp32")
+    assert rejected(check_rotate_at(_mistake(interleave=True)), "the head_dim/2 angles twice in a row")
+    assert rejected(check_rotate_at(_mistake(sign=-1.0)), "which half gets the minus sign")
+    assert rejected(check_rotate_at(_mistake(first_half=True)), "the second half of x turns too")
+    alias = lambda x, position, inv_freq: x if position == 0 else rotate_at(x, position, inv_freq)  # noqa: E731
+    assert rejected(check_rotate_at(alias), "return a new tensor")
