@@ -82,56 +82,45 @@ def _requests(seed=0):
 
 
 @pytest.mark.slow
-def test_two_workers_on_the_loopback_serve_hfs_tokens(tiny, saved_model):
+def test_two_workers_serve_hfs_tokens_warmed_up_quietly_with_the_hand_over_timed_in_stages(tiny, saved_model, capfd):
+    """One run of the two workers (each launch costs seconds of start-up, so one run serves every check here):
+
+    * every request gets HF's tokens, its token times rise from its arrival, and exactly the KV bytes of lesson 00
+      (whole blocks) cross the wire;
+    * a request of one new token is ended by the prefill's token: the decode side decodes nothing more;
+    * each worker serves one request of its own before the barrier (its cold start is not in the first TTFT), the
+      workers print nothing while loading (no loading bar, no notice), and every hand-over is reported as staging +
+      transfer + unpack, the parts of the TTFT adding up;
+    * then a run without the warm-up gives the same tokens."""
     model, w = tiny
-    requests = [(r, p, n, 0.1 * r) for r, p, n in _requests()]  # arriving 0, 0.1 and 0.2 s after the start
-    result = run_disaggregated(DisaggConfig(model_dir=saved_model, num_blocks=32, block_size=4, timeout_s=20), requests)
+    arriving = [(r, p, n, 0.1 * r) for r, p, n in _requests()]  # arriving 0, 0.1 and 0.2 s after the start
+    at_start = [(10 + r, p, n, 0.0) for r, p, n in _requests(1)]
+    one_token = [(20, [2, 9, 40, 77, 5], 1, 0.0), (21, [2, 11, 12, 13, 14, 15, 16], 4, 0.0), (22, [2, 30], 1, 0.0)]
+    requests = arriving + at_start + one_token
+    cfg = DisaggConfig(model_dir=saved_model, num_blocks=48, block_size=4, timeout_s=20)
+    result = run_disaggregated(cfg, requests)
+    per_token = 2 * w.num_layers * w.num_kv_heads * w.head_dim * 4  # K and V of every layer, fp32
     for req_id, prompt, n, arrival in requests:
         times = result.token_times[req_id]
+        assert result.outputs[req_id] == hf_greedy(model, prompt, n, w.eos_token_id), f"request {req_id}"
         assert times[0] >= arrival and times == sorted(times) and len(times) == len(result.outputs[req_id])
-        assert result.outputs[req_id] == hf_greedy(model, prompt, n, w.eos_token_id), f"request {req_id}"
-        # K and V of every layer, whole blocks: the KV bytes per token of lesson 00, rounded up to blocks
-        per_token = 2 * w.num_layers * w.num_kv_heads * w.head_dim * 4
         assert result.bytes_sent[req_id] == blocks_needed(len(prompt), 4) * 4 * per_token
-    assert result.all_blocks_free
-
-
-@pytest.mark.slow
-def test_both_workers_warm_up_before_the_clock_quietly_and_time_the_hand_over_in_stages(tiny, saved_model, capfd):
-    """Each worker serves one request of its own before the barrier (its cold start is not in the first TTFT),
-    the workers print nothing while loading (no loading bar, no notice), and every request's hand-over is
-    reported as staging + transfer + unpack."""
-    model, w = tiny
-    requests = _requests(1)
-    result = run_disaggregated(DisaggConfig(model_dir=saved_model, num_blocks=32, block_size=4, timeout_s=20), requests)
-    assert set(result.warmup_s) == {"prefill", "decode"} and all(s > 0 for s in result.warmup_s.values())
-    assert result.warm_before_start
-    for req_id, prompt, n in requests:
-        assert result.outputs[req_id] == hf_greedy(model, prompt, n, w.eos_token_id), f"request {req_id}"
         stages = (result.pack_s[req_id], result.recv_s[req_id], result.unpack_s[req_id])
         assert all(s > 0 for s in stages) and result.handover_s(req_id) == pytest.approx(sum(stages))
-        parts = result.ttft_parts(req_id, 0.0)  # every request arrives at the start
-        assert parts["queue"] >= 0 and parts["prefill"] > 0 and parts["decode side's wait"] > -1e-3
-        assert sum(parts.values()) == pytest.approx(result.token_times[req_id][0])  # the parts add up to the TTFT
-    assert result.all_blocks_free
+        if arrival == 0.0:
+            parts = result.ttft_parts(req_id, 0.0)
+            assert parts["queue"] >= 0 and parts["prefill"] > 0 and parts["decode side's wait"] > -1e-3
+            assert sum(parts.values()) == pytest.approx(times[0])  # the parts add up to the TTFT
+    assert len(result.outputs[20]) == 1 and len(result.outputs[22]) == 1
+    assert set(result.warmup_s) == {"prefill", "decode"} and all(s > 0 for s in result.warmup_s.values())
+    assert result.warm_before_start and result.all_blocks_free
     out, err = capfd.readouterr()
     assert "Loading weights" not in out + err and "NOTICE" not in out + err, (out + err)[-2000:]
+    cold_requests = [(r, p, n) for r, p, n, _ in at_start]
     cold = run_disaggregated(
-        DisaggConfig(model_dir=saved_model, num_blocks=32, block_size=4, timeout_s=20, warmup=False), requests
+        DisaggConfig(model_dir=saved_model, num_blocks=32, block_size=4, timeout_s=20, warmup=False), cold_requests
     )
-    assert cold.warmup_s == {} and cold.outputs == result.outputs
-
-
-@pytest.mark.slow
-def test_a_request_of_one_new_token_is_not_decoded_after_the_hand_over(tiny, saved_model):
-    """Its first token (the prefill's) ends it: the decode side reports it finished and decodes nothing more."""
-    model, w = tiny
-    requests = [(0, [2, 9, 40, 77, 5], 1), (1, [2, 11, 12, 13, 14, 15, 16], 4), (2, [2, 30], 1)]
-    result = run_disaggregated(DisaggConfig(model_dir=saved_model, num_blocks=16, block_size=4, timeout_s=20), requests)
-    for req_id, prompt, n in requests:
-        assert result.outputs[req_id] == hf_greedy(model, prompt, n, w.eos_token_id), f"request {req_id}"
-        assert len(result.token_times[req_id]) == len(result.outputs[req_id])
-    assert len(result.outputs[0]) == 1 and len(result.outputs[2]) == 1 and result.all_blocks_free
+    assert cold.warmup_s == {} and cold.outputs == {r: result.outputs[r] for r, *_ in at_start}
 
 
 @pytest.mark.slow
