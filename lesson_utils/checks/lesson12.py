@@ -117,7 +117,7 @@ def _hint(case, expected, got) -> str:
         (dict(first_half=True), "both channels of each pair change: the second half of x turns too"),
     ]
     for kw, hint in mistakes:
-        if kw.get("angle_dtype") in (torch.float32,) and "interleave" not in kw:
+        if kw.get("angle_dtype") is torch.float32:  # for an fp32 key, "angles in x's dtype" is the right answer
             continue
         try:
             if _close(_variant(x, position, inv_freq, **kw), got):
