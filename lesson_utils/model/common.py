@@ -31,6 +31,21 @@ class Linear(NamedTuple):
         return F.linear(x, self.weight, self.bias)
 
 
+class PlacedByEmbeddings:
+    """``device`` and ``dtype`` of a weights object: where its token embeddings live (every cache made ``for_model``
+    goes there too). Shared by every model's weights."""
+
+    embed_tokens: torch.Tensor
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.dtype
+
+
 def select_rows(h: torch.Tensor, batch: StepBatch, last_only: bool, last_n: list[int] | None) -> torch.Tensor:
     """The hidden states a step returns logits for: every token's, each sequence's last one (``last_only``), or
     each sequence's last ``last_n[i]`` (lesson 11's verification), sequence after sequence. Every op after the

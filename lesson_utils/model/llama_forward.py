@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from lesson_utils.cache.seam import KVCache, StepBatch
-from lesson_utils.model.common import Linear, check_positions, ref, select_rows
+from lesson_utils.model.common import Linear, PlacedByEmbeddings, check_positions, ref, select_rows
 from lesson_utils.model.config_check import check_config
 from lesson_utils.model.rope import Rope, apply_rope
 
@@ -70,7 +70,7 @@ class LlamaLayerWeights:
 
 
 @dataclass
-class LlamaWeights:
+class LlamaWeights(PlacedByEmbeddings):
     """References to a Hugging Face Llama, Qwen2 or Qwen3 causal LM's tensors (no copies), plus its geometry.
 
     The geometry fields are the ones every cache's ``for_model`` and the engine read (the same names as
@@ -92,14 +92,6 @@ class LlamaWeights:
     max_positions: int
     bos_token_id: int | None
     eos_token_id: int | None
-
-    @property
-    def device(self) -> torch.device:
-        return self.embed_tokens.device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.embed_tokens.dtype
 
     @property
     def group(self) -> int:

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from lesson_utils.cache.seam import KVCache, StepBatch
-from lesson_utils.model.common import Linear, check_positions, select_rows
+from lesson_utils.model.common import Linear, PlacedByEmbeddings, check_positions, select_rows
 from lesson_utils.model.common import ref as _ref
 
 POSITION_OFFSET = 2  # OPT's learned position table starts at row 2 (a fairseq padding convention)
@@ -57,7 +57,7 @@ class OPTLayerWeights:
 
 
 @dataclass
-class OPTWeights:
+class OPTWeights(PlacedByEmbeddings):
     """References to a Hugging Face OPT model's tensors (no copies), plus its geometry.
 
     ``do_layer_norm_before`` is True for OPT-125m and most OPT sizes (pre-LN) and False for OPT-350m
@@ -81,15 +81,6 @@ class OPTWeights:
     bos_token_id: int
     eos_token_id: int
     do_layer_norm_before: bool
-
-    @property
-    def device(self) -> torch.device:
-        """Where the weights live (every cache made ``for_model`` goes there too)."""
-        return self.embed_tokens.device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.embed_tokens.dtype
 
     @property
     def num_kv_heads(self) -> int:

@@ -236,7 +236,28 @@ def test_every_engine_serves_on_the_device_with_at_most_two_syncs_a_step(on_devi
     counting both directions - a host-to-device copy from pageable memory, or one that is not non_blocking, waits
     too (issue 23). A step that swaps blocks out adds one deliberate wait: the host must not read the staging
     buffer before it has landed."""
-    model, w = on_device
+    _serve_every_engine_kind_on_the_device(*on_device)
+
+
+@pytest.fixture(scope="module")
+def llama_on_device():
+    """The ci profile's tiny Llama (SmolLM2's family: RoPE, RMSNorm, grouped-query attention) on the stand-in device."""
+    from lesson_utils.model import weights_from_hf
+    from lesson_utils.model.loading import MODERN_MODEL, load_model
+
+    with discipline():
+        lm = load_model(MODERN_MODEL, profile=Profile(name="ci", device=str(DEVICE), device_name="device discipline"))
+        w = weights_from_hf(lm.model)
+    return lm.model, w
+
+
+def test_a_llama_family_model_serves_on_the_device_with_at_most_two_syncs_a_step(llama_on_device):
+    """The same budget and identity for the Llama forward: its RoPE tables, its grouped K/V and its norms are made
+    on the model's device, and nothing in a step reads back more than the course's forward does."""
+    _serve_every_engine_kind_on_the_device(*llama_on_device)
+
+
+def _serve_every_engine_kind_on_the_device(model, w):
     workloads = {False: (_prompts(w), N_NEW), True: (_prompts(w, (12, 20, 25, 31, 9)), 20)}  # True: preempted
     want = {k: [hf_greedy(model, p, n, w.eos_token_id) for p in ps] for k, (ps, n) in workloads.items()}
     with discipline() as mode:
