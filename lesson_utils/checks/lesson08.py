@@ -9,8 +9,6 @@ import random
 import torch
 
 from lesson_utils.cache import attention
-from lesson_utils.cache.paged_metadata import step_metadata
-from lesson_utils.core.types import is_int
 from lesson_utils.serving.token_budget import Chunk, TokenState, budgeted_schedule
 
 from .core import (
@@ -297,90 +295,4 @@ def check_chunk_attention(fn) -> CheckResult:
     )
 
 
-# ---- exercise 08-3: a step's chunks as the unified kernel's metadata -------------------------------------------
-def _metadata_cases() -> list[tuple]:
-    """Decodes, whole prompts, chunks that start after cached tokens (an earlier chunk or the prefix cache), mixed
-    steps in scheduler order, a chunk of one that ends a prompt, seq ids out of order, and an empty step."""
-    dev = case_device()
-    cases = [
-        [Chunk(0, 9, 10), Chunk(1, 4, 5)],  # two decodes
-        [Chunk(3, 0, 7)],  # a whole prompt
-        [Chunk(5, 16, 24)],  # a chunk after 16 cached tokens
-        [Chunk(2, 30, 31), Chunk(0, 12, 13), Chunk(7, 8, 20), Chunk(4, 0, 5)],  # decodes, a chunk, a new prompt
-        [Chunk(1, 40, 41), Chunk(6, 32, 33)],  # a prompt's last token (a chunk of one) beside a decode
-        [],  # nothing runs
-    ]
-    rng = random.Random(83)
-    for _ in range(6):
-        n = rng.randrange(1, 7)
-        chunks = []
-        for sid in rng.sample(range(40), n):
-            start = rng.choice([0, rng.randrange(1, 300)])
-            chunks.append(Chunk(sid, start, start + rng.choice([1, 1, rng.randrange(2, 90)])))
-        cases.append(chunks)
-    return [(c, dev) for c in cases]
-
-
-def _metadata_equal(expected, got) -> bool:
-    if not isinstance(got, (tuple, list)) or len(got) != 3:
-        return False
-    (qs, cl, mq), (gqs, gcl, gmq) = expected, got
-    tensors_ok = all(
-        isinstance(g, torch.Tensor) and g.dtype == torch.int32 and g.device == e.device and g.shape == e.shape
-        for g, e in ((gqs, qs), (gcl, cl))
-    )
-    return tensors_ok and torch.equal(gqs, qs) and torch.equal(gcl, cl) and is_int(gmq) and gmq == mq
-
-
-def _metadata_hint(case, expected, got) -> str:
-    chunks, dev = case
-    if not isinstance(got, (tuple, list)) or len(got) != 3:
-        return "return three values: (query_start, context_lens, max_query_len)"
-    qs, cl, mq = got
-    if not all(isinstance(t, torch.Tensor) for t in (qs, cl)):
-        return "query_start and context_lens are tensors the kernel reads (torch.tensor(..., dtype=..., device=...))"
-    if qs.dtype != torch.int32 or cl.dtype != torch.int32:
-        return (
-            f"your tensors are {qs.dtype} and {cl.dtype}: the kernel loads them as 32-bit ints - what would it read "
-            "from a tensor of another dtype?"
-        )
-    if qs.device != expected[0].device or cl.device != expected[0].device:
-        return f"the kernel reads them on {expected[0].device}: where did you make them?"
-    lens = [c.end - c.start for c in chunks]
-    if not chunks and qs.tolist() == [0] and cl.numel() == 0:
-        return "an empty step: what is the longest of no chunks? (the grid then has no rows)"
-    if qs.numel() == len(chunks):
-        return (
-            f"{len(chunks)} chunks need {len(chunks) + 1} query starts: where do chunk 0's rows start, and where do the "
-            "last chunk's end?"
-        )
-    if cl.numel() == len(chunks) and cl.tolist() == lens:
-        return (
-            "your context_lens are the chunks' lengths: how many tokens does a sequence hold once this step has "
-            "written - its cached tokens included?"
-        )
-    if cl.numel() == len(chunks) and cl.tolist() == [c.start for c in chunks]:
-        return "your context_lens leave out this step's own tokens: they are written before the kernel runs"
-    if qs.tolist() != expected[0].tolist():
-        return "query_start counts rows of the step's flat batch: how many rows does each chunk add?"
-    if not is_int(mq):
-        return "max_query_len sizes the launch grid on the host: a Python int, not a tensor"
-    if mq == sum(lens):
-        return (
-            "max_query_len is the longest chunk, not the step's total: the grid has one row of programs per tile of it"
-        )
-    return ""
-
-
-def check_step_metadata(fn) -> CheckResult:
-    """Exercise 08-3: query_start, context_lens and max_query_len from a step's chunks (what the kernel reads)."""
-    return check_function(
-        "step_metadata",
-        fn,
-        step_metadata,
-        _metadata_cases(),
-        equal=_metadata_equal,
-        show_input=lambda c: f"chunks {short(c[0])}, device {c[1]}",
-        explain=_metadata_hint,
-        arg_names=("chunks", "device"),
-    )
+from .step_metadata import check_step_metadata  # noqa: E402, F401 - exercise 08-3, checked in its own module

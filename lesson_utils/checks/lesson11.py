@@ -14,6 +14,14 @@ from .core import CheckResult, call_learner, check_function, failed, not_impleme
 from .rollback import check_keep_verified  # noqa: F401 - exercise 11-4, checked in its own module
 
 
+def _tails_at_different_places() -> list[int]:
+    """A context whose 3-, 2- and 1-token tails each occur last at a different earlier place (each followed by other
+    tokens), and whose 4-token tail occurs earlier still: only the longest tail of at most 3 tokens, searched from the
+    latest place back, gives the reference's continuation."""
+    a, b, c = 1207, 305, 88  # the tail
+    return [63, a, b, c, 71, 72, 73, 5, a, b, c, 41, 42, 43, 8, b, c, 51, 52, 53, 9, c, 61, 62, 6, 63, a, b, c]
+
+
 def _lookup_cases() -> list[tuple]:
     cases = [
         ([5, 6, 7, 9, 5, 6, 8, 1, 5, 6], 2),  # two earlier matches: the latest wins
@@ -24,11 +32,21 @@ def _lookup_cases() -> list[tuple]:
         ([7, 8, 7], 0),  # k = 0
         ([3], 2),  # one token: nothing before it
         ([1, 2, 1, 2, 1, 2], 4),  # the match's continuation runs into the suffix itself
+        (_tails_at_different_places(), 3),
+        # ids of several digits: "1 2" is not a match inside "11 2" or "1 23" (ids are compared as ids, not as text)
+        ([11, 2, 5, 1, 23, 7, 1, 2], 3),
+        ([4, 112, 9, 12, 6, 30, 1, 12], 2),
+        # a long context whose only earlier match is far back: the search looks over all of it
+        ([40, 41, 42, 43] + [100 + i for i in range(70)] + [41, 42], 3),
     ]
     rng = random.Random(11)
     for _ in range(20):
         ids = [rng.randrange(3) for _ in range(rng.randrange(2, 16))]
         cases.append((ids, rng.randrange(0, 6)))
+    for _ in range(8):  # ids whose digits overlap, long contexts
+        alphabet = [1, 2, 11, 12, 21, 112, 121, 1000 + rng.randrange(1000)]
+        ids = [rng.choice(alphabet) for _ in range(rng.randrange(20, 90))]
+        cases.append((ids, rng.randrange(1, 6)))
     return cases
 
 
@@ -39,15 +57,18 @@ def _lookup_hint(case, expected, got) -> str:
     if len(got) > k:
         return f"at most k = {k} tokens"
     if expected and not got:
-        return "the context's last tokens do occur earlier: what followed them there?"
+        return "the context's last tokens do occur earlier (look over the whole context): what followed them there?"
     if got and got == expected[: len(got)]:
         return (
             f"you returned {len(got)} of the {len(expected)} tokens that follow the match: may the continuation run "
             "into the tail you matched?"
         )
     if got and not expected:
-        return "does the context's last token occur anywhere before it?"
-    return "with several earlier matches, which one does prompt lookup use? And which match length is tried first?"
+        return "does the context's last token occur anywhere before it (as the same id, not as digits of another)?"
+    return (
+        "with several earlier matches, which one does prompt lookup use? And which match length is tried first "
+        "(at most 3 tokens)? Compare ids as ids, over the whole context"
+    )
 
 
 def check_prompt_lookup(fn) -> CheckResult:
@@ -76,6 +97,12 @@ def _greedy_cases() -> list[tuple]:
         d = rng.randrange(0, 6)
         draft = [rng.randrange(3) for _ in range(d)]
         cases.append((draft, [rng.randrange(3) for _ in range(d + 1)]))
+    for _ in range(10):  # real vocabularies: ids above 256 (equal ids are equal values, not the same object)
+        d = rng.randrange(1, 6)
+        base = [rng.randrange(3) for _ in range(d + 1)]
+        draft = [50000 + x for x in base[:d]]
+        targets = [50000 + x if rng.random() < 0.8 else 50000 + rng.randrange(3) for x in base]
+        cases.append((draft, targets))
     return cases
 
 
@@ -87,6 +114,8 @@ def _greedy_hint(case, expected, got) -> str:
         return "after the kept drafts the target has computed one more token: it comes for free"
     if len(got) > len(expected):
         return "after the first draft the target disagrees with, are the later drafts still valid?"
+    if len(got) < len(expected) and max(draft + targets, default=0) > 256:
+        return "the ids agree where your code stopped: compare token ids by value (==), not identity (is)"
     return "at the first disagreement, whose token is right: the draft's or the target's?"
 
 
@@ -178,7 +207,8 @@ def check_accept_sampled(fn) -> CheckResult:
             "is the second draft judged with the second row of probs?",
             "when every draft is kept, where does the last token come from?",
         )
-        for i, n in enumerate(counts.sum(dim=1).tolist()):
+        reached = counts.sum(dim=1).tolist()
+        for i, n in enumerate(reached):
             token = _off(counts[i] / max(n, 1), _ROWS[i], int(n)) if n else None
             if token is not None:
                 return failed(
@@ -189,10 +219,24 @@ def check_accept_sampled(fn) -> CheckResult:
                     + why[min(i, 2)],
                     accept_sampled,
                 )
+        draft = [x, 3]
+        for i, n in enumerate(reached):  # position i is reached when drafts 0 .. i-1 were all kept
+            p_reach = float(torch.prod(torch.tensor([float(_ROWS[j, draft[j]]) for j in range(i)]))) if i else 1.0
+            mean, sd = _TRIALS * p_reach, (_TRIALS * p_reach * (1 - p_reach)) ** 0.5
+            if abs(n - mean) > _Z * sd + 0.5:
+                kept = "every draft was kept" if i == len(draft) else f"the first {i} draft(s) were kept"
+                return failed(
+                    name,
+                    f"drafting [{x}, 3] over {_TRIALS} seeded trials, your code returned an output token {i + 1} "
+                    f"{int(n)} times; it comes whenever {kept}, which the target's probabilities make about "
+                    f"{mean:.0f} times. "
+                    + (why[2] if i == len(draft) else "each draft is kept with probability p(draft) at its position"),
+                    accept_sampled,
+                )
     return passed(
         name,
-        f"over {2 * _TRIALS} seeded trials the first and second tokens are distributed as the target's (within "
-        f"{_Z} standard errors), whichever token was drafted.",
+        f"over {2 * _TRIALS} seeded trials every output token is distributed as the target's and each position is "
+        f"reached as often as the drafts before it are kept (within {_Z} standard errors), whichever token was drafted.",
         fn,
     )
 
@@ -206,15 +250,22 @@ def _pick_cases() -> list[tuple[float, dict[int, float]]]:
         {1: 1.0, 2: 1.3, 3: 1.25, 4: 1.5, 5: 1.45},  # not monotone (a CPU's row buckets)
         {1: 0.02, 2: 0.021},  # only k = 1 measured, in seconds
         {1: 1.0, 2: 1.0, 3: 1.0},  # free drafts
+        {1: 0.02},  # only a plain decode step measured: no k > 0 can be predicted
+        {4: 1.6, 2: 1.2, 5: 1.85, 1: 1.0, 3: 1.4},  # measured in another order: a cost is found by its token count
+        {3: 1.01, 1: 1.0, 2: 1.0},
     ]
     cases = [(a, c) for c in costs for a in (0.0, 0.3, 0.6, 0.85, 1.0)]
     rng = random.Random(15)
-    for _ in range(20):
+    for i in range(20):
         steps = [rng.uniform(0.0, 0.5) for _ in range(rng.randrange(1, 9))]
         c, total = {1: rng.uniform(0.01, 0.1)}, 0.0
         for n, s in enumerate(steps, start=2):
             total += s
             c[n] = c[1] * (1 + total)
+        if i % 2:  # every other case lists its measurements out of order
+            keys = list(c)
+            rng.shuffle(keys)
+            c = {n: c[n] for n in keys}
         cases.append((round(rng.random(), 3), c))
     return cases
 
@@ -248,7 +299,12 @@ def check_pick_k(fn) -> CheckResult:
             return failed(
                 name,
                 f"{where} you predict {float(speedup):.4g}x for k = {k}: a verify step of k drafts yields how many "
-                "tokens on average (the target's own token included), and costs what next to a decode step?",
+                "tokens on average (the target's own token included), and costs what next to a decode step?"
+                + (
+                    " (`cost` lists its measurements out of order: find each by its token count)"
+                    if list(cost) != sorted(cost)
+                    else ""
+                ),
                 pick_k,
             )
         if k != want_k:

@@ -8,7 +8,7 @@ from lesson_utils.model.rope import rotate_at
 
 from .core import CheckResult, check_function
 
-TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3}
+TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 3e-2}
 
 
 def _interleaved(x, position, inv_freq):
@@ -30,15 +30,33 @@ def _cases() -> list[tuple]:
         ((4, 128), 2999, 1000000.0, torch.float32),  # Qwen3's head_dim and theta
         ((2, 5, 64), 42, 10000.0, torch.float32),  # five tokens at the same position
         ((3, 64), 123, 100000.0, torch.float16),  # fp16, as a GPU caches it
+        ((3, 64), 7, 500000.0, torch.float32),  # position 7 again, with another model's frequencies
+        ((2, 64), 5001, 10000.0, torch.float16),  # a position fp16 cannot hold (5000 and 5004 are its neighbours)
+        ((2, 64), 77, 10000.0, torch.bfloat16),  # bf16, as an Ampere GPU caches it
+        ((2, 64), 1000, 10000.0, "fp16 inv_freq"),  # frequencies handed over in fp16 (a model converted with .half())
     ]:
         d = shape[-1]
         inv_freq = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+        if dtype == "fp16 inv_freq":
+            dtype, inv_freq = torch.float32, inv_freq.half()
         cases.append((torch.randn(shape, generator=g).to(dtype), position, inv_freq))
     return cases
 
 
-def _variant(x, position, inv_freq, *, angle_dtype=torch.float32, interleave=False, sign=1.0, first_half=False):
+def _variant(
+    x,
+    position,
+    inv_freq,
+    *,
+    angle_dtype=torch.float32,
+    interleave=False,
+    sign=1.0,
+    first_half=False,
+    position_dtype=None,
+):
     """A rotation with one of the plausible mistakes, to name it in a hint."""
+    if position_dtype is not None:
+        position = float(torch.tensor(position, dtype=position_dtype))
     freqs = position * inv_freq.to(angle_dtype)
     angles = freqs.repeat_interleave(2) if interleave else torch.cat((freqs, freqs))
     half = x.shape[-1] // 2
@@ -113,6 +131,15 @@ def _hint(case, expected, got) -> str:
             "the pairs are rotate-half pairs (i, i + head_dim/2), so the angle vector is the "
             "head_dim/2 angles twice in a row, not each angle repeated in place",
         ),
+        (
+            dict(position_dtype=x.dtype),
+            f"the position itself went through {x.dtype}, which cannot hold every whole number this far out: "
+            "multiply the position in fp32",
+        ),
+        (
+            dict(angle_dtype=inv_freq.dtype),
+            f"inv_freq came in {inv_freq.dtype}: turn it into fp32 before multiplying by the position",
+        ),
         (dict(sign=-1.0), "the turned half is [-x2, x1]: which half gets the minus sign?"),
         (dict(first_half=True), "both channels of each pair change: the second half of x turns too"),
     ]
@@ -124,6 +151,13 @@ def _hint(case, expected, got) -> str:
                 return hint
         except Exception:  # noqa: BLE001, S112 - a variant that cannot be built for this case names nothing
             continue
+    for other in _cases():  # the angles of an earlier case at this position: a cache keyed by the position alone
+        if other[1] == position and other[2].shape == inv_freq.shape and not torch.equal(other[2], inv_freq):
+            if _close(rotate_at(x, position, other[2]), got):
+                return (
+                    "those are the angles of an earlier call at this position with other frequencies: the angles "
+                    "depend on inv_freq as well as the position (anything reused must be keyed by both)"
+                )
     for p in (position - 1, position + 1):
         if _close(rotate_at(x, p, inv_freq), got):
             return f"that is the rotation for position {p}: positions count from 0, and the key is at `position`"

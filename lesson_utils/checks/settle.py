@@ -57,6 +57,8 @@ class _After:
     running: frozenset
     registered: frozenset
     returned: tuple
+    statuses: tuple[str, ...]  # every request's SequenceStatus, by name
+    finished: tuple[int, ...]  # the scheduler's finished list, in order
 
 
 @dataclass
@@ -132,6 +134,8 @@ def _serve(w, update, prompts, num_blocks: int, chunked: bool, ref: _Run | None 
                 frozenset(s.seq_id for s in engine.scheduler.running),
                 frozenset(manager.pool.block_of),
                 returned,
+                tuple(s.status.name for s in seqs),
+                tuple(s.seq_id for s in engine.scheduler.finished),
             )
         )
         if len(steps) > (MAX_STEPS if ref is None else len(ref.steps) + 2):
@@ -187,6 +191,19 @@ def _step_difference(s: int, got: _After, ref: _After, where: str) -> str:
         return (
             f"{where}: at step {s} your update returned {list(got.returned)} as finished; expected "
             f"{list(ref.returned)}. In which step does a sequence finish, and what does the update return?"
+        )
+    if got.statuses != ref.statuses:
+        i = next(i for i, (a, b) in enumerate(zip(got.statuses, ref.statuses)) if a != b)
+        return (
+            f"{where}: after step {s} request {i}'s status is {got.statuses[i]}; expected {ref.statuses[i]}. Who records "
+            "that a sequence finished - its status, the step, the scheduler's finished list and its memory - in one "
+            "call (scheduler.finish)?"
+        )
+    if got.finished != ref.finished:
+        return (
+            f"{where}: after step {s} the scheduler's finished list holds {list(got.finished)}; expected "
+            f"{list(ref.finished)}. The engine and the lesson's later cells read it: is every finished sequence handed "
+            "to scheduler.finish, once?"
         )
     return ""
 
@@ -294,7 +311,8 @@ def check_update_from_output(fn, w) -> CheckResult:
         checked.append(len(ref.steps))
     return passed(
         name,
-        f"the same tokens, token steps, finished sequences per step, logits, prefix-cache hits and free blocks as the "
+        f"the same tokens, token steps, finished sequences per step (returned, their status and the scheduler's "
+        f"finished list), logits, prefix-cache hits and free blocks as the "
         f"course's update, over {checked[0]} steps of whole prompts and {checked[1]} steps of prompt chunks.",
         fn,
     )

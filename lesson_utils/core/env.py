@@ -180,7 +180,9 @@ def versions() -> dict[str, str]:
 
 
 def version_warnings(found: dict[str, str] | None = None) -> list[str]:
-    """One line per package outside the tested range (or missing)."""
+    """One line per package outside the tested range (or missing), and one per known clash between versions. Without
+    ``found``, this process's versions and Triton mode; a ``found`` dict may say ``"interpreted": True``."""
+    interpreted = triton_interpreted() if found is None else bool(found.get("interpreted", False))
     found = versions() if found is None else found
     problems = []
     for name, (low, high) in TESTED_RANGES.items():
@@ -191,7 +193,22 @@ def version_warnings(found: dict[str, str] | None = None) -> list[str]:
         got = _version_tuple(text)
         if not (low <= got < high):
             problems.append(f"{name} {text} is outside the tested range {low[0]}.{low[1]} to below {high[0]}.{high[1]}")
+    if interpreted and _known_interpreter_clash(found.get("triton", "missing"), found.get("numpy", "missing")):
+        problems.append(
+            f"triton {found['triton']}'s interpreter with numpy {found['numpy']}: Triton 3.6's interpreter (checked) turns a "
+            "loop bound loaded in a kernel into an int in a way numpy 2.4 refuses, so every kernel that loops over a "
+            "context length stops with 'only 0-dimensional arrays can be converted'; Triton 3.9 does not. Install "
+            "numpy below 2.4 ('pip install \"numpy<2.4\"', then restart the runtime)"
+        )
     return problems
+
+
+def _known_interpreter_clash(triton_version: str, numpy_version: str) -> bool:
+    """Triton's interpreter before 3.9 (3.6 checked) with numpy 2.4 or newer: kernels with a loop over a loaded bound
+    fail."""
+    if "missing" in (triton_version, numpy_version):
+        return False
+    return _version_tuple(triton_version) < (3, 9) and _version_tuple(numpy_version) >= (2, 4)
 
 
 def banner() -> str:

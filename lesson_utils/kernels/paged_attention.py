@@ -166,6 +166,17 @@ def tile_tokens(variant: str, block_size: int, head_dim: int, group: int = 1) ->
     return max(block_size, TILE_ELEMENTS // (triton.next_power_of_2(head_dim) * triton.next_power_of_2(group)))
 
 
+def require_contiguous(kernel: str, **tensors: torch.Tensor) -> None:
+    """A kernel reads a 1-D metadata tensor as consecutive values from its first element: a strided view (a column of a
+    2-D tensor, an expanded one) would make it read other values than the view shows. Refused, naming the tensor."""
+    for name, t in tensors.items():
+        if not t.is_contiguous():
+            raise ValueError(
+                f"{kernel}: {name} is a strided view (strides {tuple(t.stride())}) - the kernel reads consecutive "
+                f"values from its first element, not the ones this view shows; pass {name}.contiguous()"
+            )
+
+
 def _check_decode_inputs(q, k_cache, v_cache, block_tables, context_lens, validate: bool):
     """Shapes, dtypes and devices always (host-side metadata, no sync); with ``validate`` also the values of
     ``context_lens``, which reads them back from the device (a sync: keep it out of timed loops)."""
@@ -177,6 +188,7 @@ def _check_decode_inputs(q, k_cache, v_cache, block_tables, context_lens, valida
         block_tables=block_tables,
         context_lens=context_lens,
     )
+    require_contiguous("paged_attention_decode", context_lens=context_lens)
     if q.dim() != 3:
         raise ValueError(f"q must be [num_seqs, num_heads, head_dim], got shape {tuple(q.shape)}")
     if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:

@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from lesson_utils.core.device_discipline import check_kernel_args, kernel_launch
-from lesson_utils.kernels.paged_attention import block_slots, load_tile
+from lesson_utils.kernels.paged_attention import block_slots, load_tile, require_contiguous
 
 
 @triton.jit
@@ -164,6 +164,7 @@ def unified_attention(
         query_start=query_start,
         context_lens=context_lens,
     )
+    require_contiguous("unified_attention", query_start=query_start, context_lens=context_lens)
     if q.dim() != 3 or k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
         raise ValueError(
             f"q must be [num_tokens, num_heads, head_dim] and the caches [num_blocks, block_size, num_kv_heads, "

@@ -150,14 +150,22 @@ class Timing:
 
 @dataclass(frozen=True)
 class Ratio:
-    """A ratio of two variants, round by round: its median and spread."""
+    """A ratio of two variants, round by round: its median and spread. ``defined`` is False when a round divided by
+    zero or met an undefined sample: the ratio then has no value to print or judge, and :meth:`text` says why."""
 
     median: float
     low: float
     high: float
     repeats: int
+    why_undefined: str = ""
+
+    @property
+    def defined(self) -> bool:
+        return not self.why_undefined and all(np.isfinite(x) for x in (self.median, self.low, self.high))
 
     def text(self, digits: int = 2) -> str:
+        if not self.defined:
+            return f"undefined ({self.why_undefined or 'a round had no finite value'})"
         return (
             f"{self.median:.{digits}f}x (median of {self.repeats} rounds, {self.low:.{digits}f}-{self.high:.{digits}f})"
         )
@@ -182,8 +190,17 @@ class Measurement:
         return self.timings[name]
 
     def ratio(self, a: str, b: str) -> Ratio:
-        """``a / b`` round by round (sample ``i`` of ``a`` over sample ``i`` of ``b``)."""
-        r = np.array(self.timings[a].samples) / np.array(self.timings[b].samples)
+        """``a / b`` round by round (sample ``i`` of ``a`` over sample ``i`` of ``b``); undefined (saying why) when a
+        round of ``b`` is zero or a sample is not a finite number."""
+        num, den = np.array(self.timings[a].samples, float), np.array(self.timings[b].samples, float)
+        why = ""
+        if not (np.isfinite(num).all() and np.isfinite(den).all()):
+            why = f"a sample of {a if not np.isfinite(num).all() else b} is not a finite number"
+        elif (den == 0).any():
+            why = f"{b} measured 0 {self.timings[b].unit} in {int((den == 0).sum())} of {len(den)} rounds"
+        if why:
+            return Ratio(float("nan"), float("nan"), float("nan"), len(den), why)
+        r = num / den
         return Ratio(float(np.median(r)), float(r.min()), float(r.max()), len(r))
 
     @property
@@ -275,10 +292,69 @@ def measure(
     return Measurement(timings, repeats, warmup, order, probe.share, probe.how)
 
 
-def goal_verdict(value: float, goal: float, *, higher_is_better: bool = True, unit: str = "", digits: int = 2) -> str:
-    """'met (2.41x >= 2x)' or 'missed by 0.30x (1.70x < 2x)': a printed goal always carries its verdict."""
+def defined(value) -> bool:
+    """A number that can be printed, compared and judged: not None, not NaN, not infinite."""
+    try:
+        return value is not None and bool(np.isfinite(float(value)))
+    except (TypeError, ValueError):
+        return False
+
+
+def ratio_of(a, b) -> float | None:
+    """``a / b``, or None when it is undefined (``b`` zero, either one missing or not finite)."""
+    if not (defined(a) and defined(b)) or float(b) == 0:
+        return None
+    return float(a) / float(b)
+
+
+def number_text(value, digits: int = 2, unit: str = "", undefined: str = "undefined") -> str:
+    """``value`` as printed text (``'2.41x'``), or ``undefined`` (say why, e.g. ``'n/a (HF measured 0 tok/s)'``) when it
+    is None, NaN or infinite: no 'inf' or 'nan' ever reaches a printed line or a label."""
+    return f"{float(value):.{digits}f}{unit}" if defined(value) else undefined
+
+
+def goal_verdict(
+    value,
+    goal: float,
+    *,
+    higher_is_better: bool = True,
+    unit: str = "",
+    digits: int = 2,
+    spread: tuple[float, float] | None = None,
+    why_undefined: str = "",
+) -> str:
+    """'met (2.41x >= 2x)' or 'missed by 0.30x (1.70x < 2x)': a printed goal always carries its verdict.
+
+    There is no verdict on an undefined value (None, NaN, infinite: 'no verdict: ...'), and none when ``spread``
+    (the lowest and highest value over repeated rounds) lies on both sides of the goal: the noise is larger than what
+    the verdict would say ('not decided: ...')."""
+    g = f"{goal:g}{unit}"
+    if not defined(value):
+        return f"no verdict: the value is undefined ({why_undefined or 'a zero, missing or infinite measurement'})"
     ok = value >= goal if higher_is_better else value <= goal
-    v, g = f"{value:.{digits}f}{unit}", f"{goal:g}{unit}"
+    v = f"{value:.{digits}f}{unit}"
+    if spread is not None:
+        low, high = spread
+        if not (defined(low) and defined(high)):
+            return f"no verdict: its spread is undefined ({why_undefined or 'a round had no finite value'})"
+        if low < goal <= high if higher_is_better else low <= goal < high:
+            return (
+                f"not decided: the rounds span {low:.{digits}f}-{high:.{digits}f}{unit}, on both sides of {g} "
+                f"(median {v}); the noise is larger than the margin"
+            )
     if ok:
         return f"met ({v} {'>=' if higher_is_better else '<='} {g})"
     return f"missed by {abs(value - goal):.{digits}f}{unit} ({v} {'<' if higher_is_better else '>'} {g})"
+
+
+def ratio_verdict(ratio: Ratio, goal: float, *, digits: int = 2) -> str:
+    """:func:`goal_verdict` for a ratio taken round by round: judged on its median, decided only when every round
+    lies on the same side of the goal, no verdict when it is undefined."""
+    return goal_verdict(
+        ratio.median if ratio.defined else None,
+        goal,
+        unit="x",
+        digits=digits,
+        spread=(ratio.low, ratio.high) if ratio.defined else None,
+        why_undefined=ratio.why_undefined,
+    )

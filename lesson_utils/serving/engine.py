@@ -132,10 +132,9 @@ class Engine:
             max_num_batched_tokens=self.max_num_batched_tokens,
             chunked=self.chunked_prefill,
             speculation=self.speculation,
+            vocab_size=self.w.vocab_size,
             **self.scheduler_kw,
         )
-        if self.speculation is not None:
-            self.speculation.vocab_size = self.w.vocab_size
         self.runner = ModelRunner(self.w, self.cache, self.host_blocks)
         self._step = 0
 

@@ -67,6 +67,7 @@ class FCFSScheduler(SettlesSteps):
         chunked: ChunkedPrefill | None = None,
         hold_finished: bool = False,
         speculation: Speculation | None = None,
+        vocab_size: int | None = None,
     ):
         if preemption_mode not in ("recompute", "swap"):
             raise ValueError(f"preemption_mode is 'recompute' or 'swap', got {preemption_mode!r}")
@@ -104,6 +105,8 @@ class FCFSScheduler(SettlesSteps):
                 f"sequence, over the token budget of {budget}: lower k or raise the budget"
             )
         self.speculation = speculation  # lesson 11: drafts verified in the step (None: one token per decode)
+        _positive(vocab_size, "vocab_size")
+        self.vocab_size = vocab_size  # the verifying model's vocabulary: a draft's ids must be in it (None: unchecked)
         self.verified: list[tuple[int, int, int, int]] = []  # (step, seq_id, drafted, accepted) per verification
         self.events: list[PreemptionEvent] = []
         self.observe: Callable[[StepPlan], None] | None = None  # the simulator's hook: after the tokens, before frees
@@ -264,7 +267,7 @@ class FCFSScheduler(SettlesSteps):
             left = None
             if self.max_num_batched_tokens is not None:
                 left = self.max_num_batched_tokens - sum(s.len - s.num_computed for s in self.running)
-            self.speculation.draft_running(self.running, left)
+            self.speculation.draft_running(self.running, left, self.vocab_size)
 
     def _swap_in(self, step: int, moved: dict[int, int]) -> list[tuple[int, int]]:
         """Swapped sequences back, in the order they left, while their blocks (and the token budget) allow."""
@@ -327,9 +330,13 @@ class FCFSScheduler(SettlesSteps):
         return checked_victim(self.running, self.choose_victim, protect_oldest=self.chunked is not None)
 
     def _preempt(self, victim: Sequence, moved: dict[int, int]) -> None:
+        """Push ``victim`` out: to the swap space, or back to the queue to be recomputed. Whatever this step reserved
+        for it first goes back (its draft and the slots reserved for it, and for the token it was about to get): a
+        swapped table holds exactly its ``len`` tokens' slots, as between steps."""
         victim.draft = []
         note = ""
         if self.preemption_mode == "swap":
+            self.manager.trim(victim.seq_id, victim.len)  # (recompute frees the whole table below)
             if self.swap_space.can_swap_out(self.manager, victim.seq_id, moved):
                 self._swap_out += self.swap_space.swap_out(self.manager, victim.seq_id, moved)
                 victim.preemptions += 1

@@ -2,74 +2,71 @@
 step once the runner has computed its plan - ``update_from_output``, the one place a token is born.
 
 Every scheduled sequence's computed count advances; full computed blocks enter the prefix cache; a parent that has
-just prefilled forks its parallel samples; ONE sampling call picks every due token; beams advance as a group;
-lesson 11's verifying sequences keep the drafts the target agrees with and roll back the rest; finished sequences
-free their memory (or, on lesson 09's prefill side, are held until sent).
+just prefilled forks its parallel samples; every due sequence gets its verdict from ONE read of the logits (a
+sampled token, or lesson 11's kept drafts and the target's token, the rest rolled back); beams advance as a group;
+finished sequences free their memory (or, on lesson 09's prefill side, are held until sent). The same loop settles
+every step: a step in which some sequence verifies drafts forks, caches and finishes the others as any step does.
 """
 
 from __future__ import annotations
 
-import torch
-
-from lesson_utils.core.host_copy import to_device
 from lesson_utils.core.types import Sequence, SequenceStatus
-from lesson_utils.serving import sampling
 from lesson_utils.serving.forks import fork_samples
 from lesson_utils.serving.output import RunnerOutput, StepPlan
-from lesson_utils.serving.speculative import settle_drafts
+from lesson_utils.serving.speculative import keep_verified
+from lesson_utils.serving.token_verdicts import DueRows, verdicts
 
 
 class SettlesSteps:
     """``update_from_output`` and what it needs, on the scheduler's own state (``running``, ``manager``,
-    ``finished``, ``held``, ``verified``, ``observe``, ``new_seq_id``)."""
+    ``finished``, ``held``, ``verified``, ``speculation``, ``observe``, ``new_seq_id``)."""
 
     # ---- after the forward pass -----------------------------------------------------------------------------
     def update_from_output(self, plan: StepPlan, output: RunnerOutput) -> list[Sequence]:
         """Settle the step with what the runner computed; returns the sequences that finished.
 
-        Every scheduled sequence's computed count advances; full computed blocks enter the prefix cache (here, before
-        a finished sequence frees them); a parent that has just prefilled forks its parallel samples (sharing its
-        blocks); then ONE sampling call picks the next token of every sequence the plan says samples and of every
-        new sample (from its parent's row), and appends them - beams excepted: their group chooses, keeping its
-        best continuations; finished sequences free their memory."""
+        One loop for every step, whether or not some sequence verified drafts in it:
+
+        1. every scheduled sequence's computed count advances, and its full computed blocks enter the prefix cache
+           (a verifying sequence's only after its rollback: no block holding a rejected draft is registered);
+        2. a parent that has just prefilled forks its parallel samples (sharing its blocks);
+        3. every due sequence and new sample gets its verdict from ONE read of the logits
+           (:func:`~lesson_utils.serving.token_verdicts.verdicts`): one sampled token, or a verifying sequence's
+           kept drafts and the target's own token; beams get theirs from their group;
+        4. the tokens are appended (a verifying sequence's through the rollback rule, which also gives back the
+           slots of rejected drafts); beams advance; finished sequences free their memory (or are held, lesson 09).
+        """
         for seq, n in zip(plan.scheduled, output.new_computed):
             seq.num_computed += n
-        due = [plan.scheduled[i] for i in plan.sampling]
-        if any(seq.draft for seq in due):  # lesson 11: some sequences verify drafts this step
-            return self._settle_verified(plan, output, due)
         for seq in plan.scheduled:
-            self.manager.cache_computed(seq)
-        children, parent_rows = [], []
-        for j, seq in enumerate(due):
-            if seq.pending_forks:
-                kids = self._fork(seq)
-                children += kids
-                parent_rows += [j] * len(kids)
-        logits = output.logits
-        if logits is not None and children:
-            logits = torch.cat([logits, logits[to_device(parent_rows, torch.long, logits.device)]])
-        sampled = due + children
-        tokens = [None] * len(sampled) if logits is None else sampling.next_tokens(sampled, logits)
-        rows = {  # the beams' logits rows: their group chooses (None: a simulation)
-            id(s): (None if logits is None else logits[j]) for j, s in enumerate(due) if s.beam is not None
-        }
-        for seq, token in zip(sampled, tokens):
-            if seq.beam is None:
-                seq.append_token(token, plan.step)
-        return self._finish_step(plan, due, rows)
-
-    def _settle_verified(self, plan: StepPlan, output: RunnerOutput, due: list[Sequence]) -> list[Sequence]:
-        """Lesson 11: the step's settlement when some sequences verified drafts (:func:`~lesson_utils.serving.
-        speculative.settle_drafts`: acceptance, eos and the last allowed token, the rollback, the prefix cache);
-        then what finished is freed as in any step."""
-        verifying = {id(s) for s in due if s.draft}
-        for seq in plan.scheduled:
-            if id(seq) not in verifying:
+            if not seq.draft:
                 self.manager.cache_computed(seq)
-        self.verified += settle_drafts(
-            due, output.logits, plan.sample_counts, plan.step, self.manager, self.speculation
-        )
-        return self._finish_step(plan, due, {})
+        due = [plan.scheduled[i] for i in plan.sampling]
+        first = [sum(plan.sample_counts[:j]) for j in range(len(due))]
+        dues = [DueRows(seq, first[j], plan.sample_counts[j]) for j, seq in enumerate(due)]
+        for j, seq in enumerate(due):
+            if seq.pending_forks:  # its samples draw their first token from its (last) row
+                row = first[j] + plan.sample_counts[j] - 1
+                dues += [DueRows(child, row, 1) for child in self._fork(seq)]
+        logits = output.logits
+        kept = verdicts(dues, logits, self.speculation)
+        settle = (self.speculation and self.speculation.settle_rule) or keep_verified
+        for d, tokens in zip(dues, kept):
+            seq = d.seq
+            if tokens is None:  # a beam: its group chooses
+                continue
+            if seq.draft:
+                self.verified.append((plan.step, seq.seq_id, len(seq.draft), len(tokens) - 1))
+                settle(seq, list(tokens), plan.step, self.manager)
+                self.manager.cache_computed(seq)  # only now: its rejected drafts' blocks are gone
+            else:
+                seq.append_token(tokens[0], plan.step)
+        for seq in plan.scheduled:
+            seq.draft = []
+        rows = {  # the beams' logits rows: their group chooses (None: a simulation)
+            id(d.seq): (None if logits is None else logits[d.first]) for d in dues if d.seq.beam is not None
+        }
+        return self._finish_step(plan, due, rows)
 
     def _finish_step(self, plan: StepPlan, due: list[Sequence], rows: dict) -> list[Sequence]:
         """Beams advance, finished sequences free their memory (or are held, lesson 09); returns the finished."""

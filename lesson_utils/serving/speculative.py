@@ -21,9 +21,7 @@ from typing import Callable
 
 import torch
 
-from lesson_utils.core.host_copy import to_device
 from lesson_utils.core.types import Sequence, is_int
-from lesson_utils.serving import sampling
 
 
 def prompt_lookup(token_ids: list[int], k: int, *, max_ngram: int = 3, min_ngram: int = 1) -> list[int]:
@@ -93,16 +91,21 @@ class SimulatedDrafts:
         return a
 
 
+class ProposerError(RuntimeError):
+    """A proposer raised while drafting for a sequence (its own error is the ``__cause__``); the message names the
+    sequence, so the caller can abort it and serve the others (the step that asked changed nothing)."""
+
+
 @dataclass
 class Speculation:
     """How a scheduler speculates: at most ``k`` drafted tokens per decoding sequence and step, from ``propose``
-    (``propose(token_ids, k) -> list of token ids``). ``vocab_size`` (set by the engine) bounds the ids a proposer
-    may return; a draft never runs past the request's ``max_new_tokens`` (the target's own token after the drafts
-    is always the last one it may add)."""
+    (``propose(token_ids, k) -> list of token ids``). A draft never runs past the request's ``max_new_tokens`` (the
+    target's own token after the drafts is always the last one it may add), and its ids are checked against the
+    vocabulary of the model that verifies it - the scheduler passes its own (``FCFSScheduler(vocab_size=...)``,
+    set by the engine), so one ``Speculation`` may serve several engines, each bounded by its own model."""
 
     k: int
     propose: Callable[[list[int], int], list[int]] = prompt_lookup
-    vocab_size: int | None = None
     greedy_rule: Callable | None = None  # accept(draft, targets) -> tokens; None: accept_greedy (lesson 11's 2)
     sampled_rule: Callable | None = None  # accept(draft, probs, generator) -> tokens; None: accept_sampled (3)
     settle_rule: Callable | None = None  # settle(seq, tokens, step, manager); None: keep_verified (lesson 11's 4)
@@ -120,97 +123,49 @@ class Speculation:
         if not callable(self.propose):
             raise TypeError(f"propose must be a function (token_ids, k) -> token ids, got {self.propose!r}")
 
-    def draft_for(self, seq: Sequence, budget: int | None = None) -> list[int]:
-        """``seq``'s draft for this step, checked: at most ``k``, at most what the request may still add minus one,
-        at most ``budget`` (the token budget left), ids in the vocabulary. A clear error names a proposer that breaks
-        the contract."""
+    def draft_for(self, seq: Sequence, budget: int | None = None, vocab_size: int | None = None) -> list[int]:
+        """``seq``'s draft for this step, checked: a list (or tuple) of at most ``k`` ints, at most what the request may
+        still add minus one, at most ``budget`` (the token budget left), each in ``0 .. vocab_size - 1`` (the verifying
+        model's vocabulary; unchecked when None, as in a simulation). Every refusal names the proposer, the sequence
+        and what was wrong; an error the proposer raises comes back as :class:`ProposerError` naming the sequence."""
         room = min(self.k, seq.request.output_len - seq.num_generated - 1)
         if budget is not None:
             room = min(room, budget)
         if room <= 0:
             return []
         name = getattr(self.propose, "__name__", type(self.propose).__name__)
-        draft = self.propose(list(seq.token_ids), room)
+        who = f"the proposer {name}, drafting for sequence {seq.seq_id}"
+        try:
+            draft = self.propose(list(seq.token_ids), room)
+        except NotImplementedError:  # an exercise not solved yet: its own polite message
+            raise
+        except Exception as err:
+            raise ProposerError(f"{who}, raised {type(err).__name__}: {err}") from err
         if not isinstance(draft, (list, tuple)):
-            raise TypeError(f"the proposer {name} returned {type(draft).__name__}; it returns a list of token ids")
+            raise TypeError(f"{who}, returned {type(draft).__name__}; a proposer returns a list of token ids")
         if len(draft) > room:
             raise ValueError(
-                f"the proposer {name} returned {len(draft)} tokens for sequence {seq.seq_id}, but was asked for at "
-                f"most {room} (k = {self.k}, and the request's remaining tokens)"
+                f"{who}, returned {len(draft)} tokens, but was asked for at most {room} (k = {self.k}, and the "
+                "request's remaining tokens)"
             )
         for i, t in enumerate(draft):
             if not is_int(t):
-                raise TypeError(
-                    f"the proposer {name}'s token {i} for sequence {seq.seq_id} is {t!r}: token ids are ints"
-                )
-            if self.vocab_size is not None and not 0 <= t < self.vocab_size:
+                raise TypeError(f"{who}, returned {t!r} ({type(t).__name__}) as token {i}: token ids are ints")
+            if vocab_size is not None and not 0 <= t < vocab_size:
                 raise ValueError(
-                    f"the proposer {name}'s token {i} for sequence {seq.seq_id} is {t}, outside the vocabulary of "
-                    f"{self.vocab_size} ids"
+                    f"{who}, returned {t} as token {i}, outside the verifying model's vocabulary of {vocab_size} ids"
                 )
         return [int(t) for t in draft]
 
-    def draft_running(self, running: list[Sequence], budget: int | None) -> None:
+    def draft_running(self, running: list[Sequence], budget: int | None, vocab_size: int | None = None) -> None:
         """Set each plain decoding sequence's draft (not a beam, not one with uncomputed tokens or samples still to
-        fork), the drafts together within ``budget`` tokens when one is given."""
+        fork), the drafts together within ``budget`` tokens when one is given, ids within ``vocab_size``."""
         for s in running:
             if s.beam is not None or s.pending_forks or s.num_computed != s.len - 1 or not s.num_generated:
                 continue
-            s.draft = self.draft_for(s, budget)
+            s.draft = self.draft_for(s, budget, vocab_size)
             if budget is not None:
                 budget -= len(s.draft)
-
-
-def settle_drafts(
-    due: list[Sequence], logits, counts: list[int], step: int, manager, spec: Speculation | None = None
-) -> list[tuple[int, int, int, int]]:
-    """After a verifying step: every sequence of ``due`` (the step's samplers, in plan order; ``counts[j]`` logits
-    rows each, ``logits`` None in a simulation) gets its tokens - a verifying one the drafts the target agrees with
-    and the target's own next token (:func:`accept_greedy`, or :func:`accept_sampled` when it samples), stopping at
-    eos or its last allowed token; then a verifying sequence's rejected drafts are rolled back: its computed count,
-    the slots past its newest token (:func:`keep_verified`, or the learner's ``settle_rule``), before its full computed
-    blocks enter the prefix cache.
-    ``spec``'s rules, where it names a learner's, decide instead. Returns ``(step, seq_id, drafted, accepted)`` per
-    verifying sequence."""
-    verifying = {id(s) for s in due if s.draft}
-    greedy_rule = (spec and spec.greedy_rule) or accept_greedy
-    sampled_rule = (spec and spec.sampled_rule) or accept_sampled
-    first = [sum(counts[:j]) for j in range(len(due))]
-    if logits is None:  # a simulation: lengths, not ids (every draft kept unless a SimulatedDrafts says otherwise)
-        sim = spec.simulated if spec is not None else None
-        kept = [[None] * (1 + (sim.accepted(len(s.draft)) if sim and s.draft else len(s.draft))) for s in due]
-    else:
-        sampled_rows = {j for j, s in enumerate(due) if id(s) in verifying and s.temperature > 0}
-        plain = [(j, r) for j, s in enumerate(due) for r in range(counts[j]) if j not in sampled_rows]
-        index = to_device([first[j] + r for j, r in plain], torch.long, logits.device)
-        tokens = sampling.next_tokens([due[j] for j, _ in plain], logits[index]) if plain else []
-        by_due: dict[int, list[int]] = {}
-        for (j, _), t in zip(plain, tokens):
-            by_due.setdefault(j, []).append(t)
-        kept = []
-        for j, s in enumerate(due):
-            if j in sampled_rows:
-                rows = logits[first[j] : first[j] + counts[j]].float() / s.temperature
-                probs = torch.softmax(rows, dim=-1).cpu()
-                if not bool(torch.isfinite(probs).all()):  # next_tokens' check, for the rows it did not read
-                    raise ValueError(
-                        f"the logits of sequence(s) [{s.seq_id}] hold NaN or inf while verifying its draft"
-                    )
-                kept.append(sampled_rule(list(s.draft), probs, s.generator))
-            else:
-                kept.append(greedy_rule(list(s.draft), by_due[j]) if id(s) in verifying else by_due[j])
-    settle = (spec and spec.settle_rule) or keep_verified
-    log = []
-    for s, tokens in zip(due, kept):
-        if id(s) in verifying:
-            log.append((step, s.seq_id, len(s.draft), len(tokens) - 1))
-            settle(s, list(tokens), step, manager)
-            manager.cache_computed(s)  # only now: no block holding a rejected draft is registered as full
-        else:
-            for t in tokens:
-                s.append_token(t, step)
-        s.draft = []
-    return log
 
 
 def keep_verified(seq: Sequence, tokens: list, step: int, manager) -> None:

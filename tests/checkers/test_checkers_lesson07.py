@@ -123,7 +123,8 @@ def _row_by_scheduled_index(scheduler, plan, output):  # row i of the logits for
     return done
 
 
-def _ignores_eos(scheduler, plan, output):  # finishes only at the length limit
+def _tokens_in(scheduler, plan, output) -> None:
+    """The update's first three parts, right: computed counts, the prefix cache, the due sequences' tokens."""
     for seq, n in zip(plan.scheduled, output.new_computed):
         seq.num_computed += n
     for seq in plan.scheduled:
@@ -131,6 +132,10 @@ def _ignores_eos(scheduler, plan, output):  # finishes only at the length limit
     due = [plan.scheduled[i] for i in plan.sampling]
     for seq, token in zip(due, sampling.next_tokens(due, output.logits) if due else []):
         seq.append_token(token, plan.step)
+
+
+def _ignores_eos(scheduler, plan, output):  # finishes only at the length limit
+    _tokens_in(scheduler, plan, output)
     done = [s for s in scheduler.running if s.num_generated >= s.request.output_len]
     for seq in done:
         scheduler.finish(seq, plan.step)
@@ -271,3 +276,28 @@ def test_the_prediction_verdict_does_not_depend_on_reruns():
     first = lesson07.check_predict_capacity(wrong, quiet=True)
     again = lesson07.check_predict_capacity(wrong, quiet=True)
     assert first.message == again.message and not first.passed
+
+
+def _frees_by_hand(scheduler, plan, output):
+    """Everything right but the finish: blocks freed, step stamped and the running batch left by hand - the status
+    stays RUNNING and the scheduler's finished list empty (lesson 07's later cells read both)."""
+    _tokens_in(scheduler, plan, output)
+    done = [s for s in scheduler.running if s.is_finished]
+    for seq in done:
+        scheduler.manager.free(seq.seq_id)
+        seq.finished_step = plan.step
+        scheduler.running = [s for s in scheduler.running if s is not seq]
+    return done
+
+
+def _finishes_but_forgets_the_list(scheduler, plan, output):
+    done = _frees_by_hand(scheduler, plan, output)
+    for seq in done:
+        seq.status = type(seq.status).FINISHED
+    return done
+
+
+def test_an_update_that_finishes_by_hand_is_rejected(w):
+    """Issue 43: status and the scheduler's finished list were never compared."""
+    assert rejected(lesson07.check_update_from_output(_frees_by_hand, w), "status is RUNNING", "scheduler.finish")
+    assert rejected(lesson07.check_update_from_output(_finishes_but_forgets_the_list, w), "finished list")

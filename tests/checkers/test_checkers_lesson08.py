@@ -350,3 +350,32 @@ def test_step_metadata_may_come_back_as_a_list():
     from lesson_utils.cache.paged_metadata import step_metadata
 
     assert lesson08.check_step_metadata(lambda chunks, device: list(step_metadata(chunks, device))).passed
+
+
+def column_of_pairs(chunks, device):
+    """The right values, as a column of a 2-D tensor: the kernel would read the pairs' first column too."""
+    from lesson_utils.cache.paged_metadata import step_metadata
+
+    qs, cl, mq = step_metadata(chunks, device)
+    pairs = torch.stack([torch.full_like(cl, 99), cl], dim=1)
+    return qs, pairs[:, 1], mq
+
+
+def test_metadata_with_the_right_values_in_other_memory_is_rejected(not_strict):
+    """Issue 43: the checker compared values only; a strided view passed, and the kernel then read other lengths."""
+    assert rejected(lesson08.check_step_metadata(column_of_pairs), "strided view", "Build it as a tensor of its own")
+
+
+def test_the_kernels_refuse_strided_metadata():
+    from lesson_utils.kernels.paged_attention import paged_attention_decode
+    from lesson_utils.kernels.unified_attention import unified_attention
+
+    k = torch.randn(3, 4, 1, 8)
+    q = torch.randn(2, 1, 8)
+    tables = torch.tensor([[1, 0], [2, 0]], dtype=torch.int32)
+    lens = torch.tensor([[9, 3], [9, 2]], dtype=torch.int32)[:, 1]
+    with pytest.raises(ValueError, match="context_lens is a strided view"):
+        paged_attention_decode(q, k, k, tables, lens)
+    starts = torch.tensor([[0, 0], [9, 1], [9, 2]], dtype=torch.int32)[:, 1]
+    with pytest.raises(ValueError, match="query_start is a strided view"):
+        unified_attention(q, k, k, tables, starts, lens.contiguous(), 1)

@@ -313,3 +313,16 @@ def nan_tile(ptrs, scale_ptrs, mask, token_mask):
 
 def test_a_loader_that_returns_nan_is_rejected():
     assert rejected(C.check_load_int8_tile(nan_tile, quiet=True), "holds NaN")
+
+
+@triton.jit
+def unmasked_value_load(ptrs, scale_ptrs, mask, token_mask):
+    x = tl.load(ptrs).to(tl.float32)  # every lane's values: harmless to the output (their scale is 0), not to memory
+    s = tl.load(scale_ptrs, mask=token_mask, other=0.0)
+    return x * s[:, None]
+
+
+def test_an_unmasked_value_load_is_caught_by_what_it_reads():
+    """Issue 43: the output cannot show it (int8 values are finite, their masked scale 0); the interpreter's load
+    count does."""
+    assert rejected(C.check_load_int8_tile(unmasked_value_load, quiet=True), "K values the mask turns off")

@@ -388,3 +388,74 @@ def predicts_nan(a, cost):
 
 def test_a_nan_prediction_is_rejected():
     assert rejected(lesson11.check_pick_k(predicts_nan), "you predict nan")
+
+
+# ---- wrong answers the earlier cases let through (issue 43) -------------------------------------------------------
+def tails_up_to_two(ids, k):
+    return prompt_lookup(ids, k, max_ngram=2)
+
+
+def tails_up_to_four(ids, k):
+    return prompt_lookup(ids, k, max_ngram=4)
+
+
+def searches_the_text(ids, k):
+    """Right for one-digit ids: "1 2" also matches inside "11 2"."""
+    if k <= 0:
+        return []
+    body = " ".join(map(str, ids[:-1]))
+    for n in range(min(3, len(ids) - 1), 0, -1):
+        pos = body.rfind(" ".join(map(str, ids[-n:])))
+        if pos >= 0:
+            start = body[:pos].count(" ")
+            return ids[start + n : start + n + k]
+    return []
+
+
+def looks_back_32_tokens(ids, k):
+    return prompt_lookup(ids[-32:], k)
+
+
+def compares_with_is(draft, targets):
+    a = 0
+    while a < len(draft) and draft[a] is targets[a]:
+        a += 1
+    return list(draft[:a]) + [targets[a]]
+
+
+def forgets_the_extra_token(draft, probs, g):
+    out = accept_sampled(draft, probs, g)
+    return out[: len(draft)] if len(out) == len(draft) + 1 else out
+
+
+def argmax_over_the_drafts(a, cost):
+    ks = range(1, max(cost))
+    k = max(ks, key=lambda k: expected_tokens_per_step(a, k) * cost[1] / cost[k + 1])
+    s = expected_tokens_per_step(a, k) * cost[1] / cost[k + 1]
+    return (k, s) if s > 1.0 else (0, 1.0)
+
+
+def reads_costs_by_position(a, cost):
+    values, best = list(cost.values()), (0, 1.0)
+    for k in range(1, len(values)):
+        s = expected_tokens_per_step(a, k) * values[0] / values[k]
+        if s > best[1]:
+            best = (k, s)
+    return best
+
+
+@pytest.mark.parametrize(
+    "check, wrong, needle",
+    [
+        (lesson11.check_prompt_lookup, tails_up_to_two, "which match length is tried first"),
+        (lesson11.check_prompt_lookup, tails_up_to_four, "at most 3 tokens"),
+        (lesson11.check_prompt_lookup, searches_the_text, "as ids"),
+        (lesson11.check_prompt_lookup, looks_back_32_tokens, "whole context"),
+        (lesson11.check_accept_greedy, compares_with_is, "not identity (is)"),
+        (lesson11.check_accept_sampled, forgets_the_extra_token, "where does the last token come from"),
+        (lesson11.check_pick_k, argmax_over_the_drafts, "max() arg is an empty sequence"),
+        (lesson11.check_pick_k, reads_costs_by_position, "out of order"),
+    ],
+)
+def test_wrong_answers_the_old_cases_let_through_are_rejected(check, wrong, needle):
+    assert rejected(check(wrong), needle)

@@ -88,3 +88,45 @@ def test_the_common_slips_get_their_own_hint(not_strict):
     assert rejected(check_rotate_at(_mistake(first_half=True)), "the second half of x turns too")
     alias = lambda x, position, inv_freq: x if position == 0 else rotate_at(x, position, inv_freq)  # noqa: E731
     assert rejected(check_rotate_at(alias), "return a new tensor")
+
+
+# ---- wrong answers the earlier cases let through (issue 43) -------------------------------------------------------
+def cached_by_position():
+    cache = {}
+
+    def rotate(x, position, inv_freq):
+        if position not in cache:  # the angles of the first call at this position, whatever inv_freq says now
+            freqs = position * inv_freq.float()
+            cache[position] = torch.cat((freqs, freqs))
+        angles = cache[position]
+        return x * angles.cos().to(x.dtype) + rotate_half(x) * angles.sin().to(x.dtype)
+
+    return rotate
+
+
+def position_in_the_keys_dtype(x, position, inv_freq):
+    freqs = torch.tensor(position, dtype=x.dtype).float() * inv_freq.float()
+    angles = torch.cat((freqs, freqs))
+    return x * angles.cos().to(x.dtype) + rotate_half(x) * angles.sin().to(x.dtype)
+
+
+def half_unless_fp32(x, position, inv_freq):
+    freqs = position * inv_freq.float()
+    angles = torch.cat((freqs, freqs))
+    cos, sin = angles.cos(), angles.sin()
+    if x.dtype != torch.float32:  # fp16 in mind: a bf16 key times fp16 cos comes back fp32
+        cos, sin = cos.half(), sin.half()
+    return x * cos + rotate_half(x) * sin
+
+
+def angles_in_inv_freqs_dtype(x, position, inv_freq):
+    freqs = position * inv_freq
+    angles = torch.cat((freqs, freqs))
+    return x * angles.cos().to(x.dtype) + rotate_half(x) * angles.sin().to(x.dtype)
+
+
+def test_wrong_answers_the_old_cases_let_through_are_rejected(not_strict):
+    assert rejected(check_rotate_at(cached_by_position()), "keyed by both")
+    assert rejected(check_rotate_at(position_in_the_keys_dtype), "multiply the position in fp32")
+    assert rejected(check_rotate_at(half_unless_fp32), "keep x's dtype (torch.bfloat16)")
+    assert rejected(check_rotate_at(angles_in_inv_freqs_dtype), "turn it into fp32 before multiplying")

@@ -72,6 +72,11 @@ def test_version_warnings():
     lines = env.version_warnings(old)
     assert any("torch 2.1.0 is outside the tested range" in line for line in lines)
     assert any("transformers is not installed" in line for line in lines)
+    clash = dict(ok, numpy="2.4.1", interpreted=True)  # Colab's triton 3.6 in the interpreter with a numpy 2.4
+    assert any("numpy below 2.4" in line for line in env.version_warnings(clash))
+    assert env.version_warnings(dict(clash, numpy="2.3.5")) == []
+    assert env.version_warnings(dict(clash, triton="3.9.0")) == []
+    assert env.version_warnings(dict(clash, interpreted=False)) == []  # compiled kernels do not meet it
 
 
 def test_banner_names_device_profile_and_versions(fresh_profile):

@@ -57,6 +57,18 @@ def test_a_gpu_machine_or_another_system_gets_the_default_build(system, gpu):
     assert pip.calls == [[sys.executable, "-m", "pip", "install", install_torch.TORCH]]
 
 
+def test_an_explicit_cpu_request_never_falls_back_to_the_default_build():
+    """COURSE_TORCH=cpu with PyTorch's CPU index unreachable: one pip call (the CPU index), a non-zero exit, and
+    advice that names how to install a CPU torch - never the default index's CUDA build."""
+    pip = FakePip(cpu_index_reachable=False)
+    code, said = _install(pip, override="cpu")
+    assert code != 0 and len(pip.calls) == 1 and install_torch.CPU_INDEX in pip.calls[0]
+    assert any("Stopping rather than installing the default build" in line for line in said)
+    assert any(f"--index-url {install_torch.CPU_INDEX}" in line and ".whl" in line for line in said)
+    pip = FakePip(cpu_index_reachable=True)
+    assert _install(pip, override="cpu")[0] == 0 and len(pip.calls) == 1
+
+
 def test_a_torch_already_installed_is_kept():
     pip = FakePip()
     code, said = _install(pip, present=True, gpu=True)

@@ -293,8 +293,9 @@ class CheckedScheduler(FCFSScheduler):
 
     def _preempt(self, victim, moved):
         self.victims.append(victim.seq_id)
-        if self.swap_space is not None:
-            need = self.swap_space.distinct_new_blocks(self.manager.tables[victim.seq_id].blocks, moved)
+        if self.swap_space is not None:  # what the swap moves: its len tokens' blocks (this step's lookahead trimmed)
+            kept = blocks_needed(victim.len, self.manager.block_size)
+            need = self.swap_space.distinct_new_blocks(self.manager.tables[victim.seq_id].blocks[:kept], moved)
             self.fits_at_preemption.append(need <= self.swap_space.num_free)
         super()._preempt(victim, moved)
 

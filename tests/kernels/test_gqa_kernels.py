@@ -142,3 +142,29 @@ def test_the_count_sees_a_per_query_head_kernel():
     assert (out - paged_attention_reference(q, kc, vc, tables, ctxs)).abs().max().item() <= 1e-5
     mask = _context_mask(kc, tables, ctxs).numpy()
     assert (rk == group * mask).all()
+
+
+@triton.jit
+def _three_loads(x_ptr, out_ptr, N: tl.constexpr):
+    i = tl.arange(0, N)
+    unmasked = tl.load(x_ptr + i)
+    masked = tl.load(x_ptr + i, mask=i < 3, other=0.0)
+    scalar = tl.load(x_ptr + 5)
+    tl.store(out_ptr + i, unmasked + masked + scalar)
+
+
+def test_the_count_sees_every_kind_of_load_and_leaves_triton_as_it_was():
+    """Unmasked, masked (masked-out lanes read nothing) and scalar loads are all counted; tensors not watched are not;
+    ``tl.load`` is Triton's own again afterwards, and no interpreter method was replaced (the count wraps the public
+    ``tl.load``, so it works on Triton 3.6 as on the newest)."""
+    from triton.runtime import interpreter
+
+    x, other, out = torch.arange(8.0), torch.zeros(8), torch.empty(8)
+    builder = dict(vars(interpreter.InterpreterBuilder))
+    before, core_before = tl.load, tl.core.load  # (Triton 3.6's interpreter leaves tl.core patched after a launch)
+    with count_reads(x, other) as (cx, co):
+        assert vars(interpreter.InterpreterBuilder) == builder
+        _three_loads[(1,)](x, out, 8)
+    assert cx.tolist() == [2, 2, 2, 1, 1, 2, 1, 1] and not co.any()
+    assert torch.equal(out, x + torch.where(torch.arange(8) < 3, x, 0.0) + 5)
+    assert tl.load is before and tl.core.load is core_before

@@ -14,6 +14,7 @@ run on both workers, into the same folder.
 from __future__ import annotations
 
 import json
+import re
 import time
 from pathlib import Path
 
@@ -64,6 +65,31 @@ def test_solution_executes_strictly(ran, path):
     assert result.unsolved_count == 0
     assert result.key_lines, "a lesson ends with key findings computed in the run (KEY: lines)"
     assert result.figures, "a lesson shows figures"
+
+
+# a float that is not a number as Python prints it ('inf', '-inf', 'nan'), where a number goes: before a unit, a ratio's
+# x, punctuation or the end of a line ('infx', 'inf/s', 'nan %', '= inf)'); not in quotes (a kernel listing's
+# float("-inf")) nor in prose ('NaN, inf and -inf are refused')
+UNDEFINED = re.compile(
+    r"""(?<![\w"'.])-?(inf|nan)(?=x\b|/s|\s?%|\s?(ms|µs|s|GB|MB|tok)\b|[),;:]|[ \t]*$)""", re.MULTILINE
+)
+
+
+@pytest.mark.notebooks
+@pytest.mark.xdist_group("notebooks")
+def test_no_undefined_number_reaches_a_printed_line(ran):
+    """Every printed line of every solution: an undefined rate, ratio or fit is said in words, never 'inf' or 'nan'."""
+    found = []
+    for result in ran[1].values():
+        nb = nbformat.read(OUT / result.executed_path, as_version=4)
+        for index, cell in enumerate(nb.cells):
+            for out in cell.get("outputs", []):
+                text = out.get("text", "") + out.get("data", {}).get("text/plain", "")
+                found += [
+                    f"{result.path} cell {index}: ...{text[max(0, m.start() - 60) : m.end() + 20]}..."
+                    for m in UNDEFINED.finditer(text)
+                ]
+    assert not found, "\n".join(found)
 
 
 def _cell_with(nb, text):

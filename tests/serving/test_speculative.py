@@ -218,7 +218,7 @@ def test_sampled_speculation_serves_and_leaks_nothing(tiny):
     [
         (lambda ids, k: "abc", TypeError, "returns a list of token ids"),
         (lambda ids, k: [1] * (k + 1), ValueError, "was asked for at most"),
-        (lambda ids, k: [10**6], ValueError, "outside the vocabulary"),
+        (lambda ids, k: [10**6], ValueError, "outside the verifying model.s vocabulary"),
         (lambda ids, k: [1.5], TypeError, "token ids are ints"),
     ],
     ids=["not a list", "too many", "outside the vocabulary", "a float"],
