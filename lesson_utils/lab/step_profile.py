@@ -154,7 +154,12 @@ def prefilled_engine(make_engine: Callable[[], Any], prompt: list[int], k: int, 
     while engine.scheduler.waiting or any(s.num_generated == 0 for s in engine.scheduler.running):
         engine.step()  # admission and prefill; what follows are decode steps of all k sequences
     if len(engine.scheduler.running) != k:
-        raise ValueError(f"the engine holds {len(engine.scheduler.running)} of {k} sequences: give it more memory")
+        m = engine.manager
+        raise ValueError(
+            f"the engine holds {len(engine.scheduler.running)} of {k} sequences: the others were not admitted together "
+            f"and finished first. Give it more memory ({m.num_free_blocks} of {m.num_blocks} blocks free now; a "
+            f"watermark of {m.watermark_blocks} blocks is kept back from admissions: watermark=0 for a probe)"
+        )
     return engine
 
 

@@ -102,3 +102,21 @@ def test_a_decode_step_is_profiled(tiny):
     shares = (prof.matmul_share, prof.other_ops_share, prof.python_share)
     assert all(0 <= s <= 1 for s in shares) and sum(shares) == pytest.approx(1.0)
     assert prof.matmul_share > 0 and prof.ops_per_step > 10 and prof.overhead_s > 0
+
+
+def test_a_probe_engine_sized_exactly_admits_every_sequence_only_without_a_watermark(tiny):
+    """Lesson 07's decode-step probe, as its gpu profile sized it (found on the first GPU run): k prompts that each
+    fill their blocks exactly. With the default watermark the last one waits until the others finished, and the
+    probe says why; with none, all k decode together."""
+    from lesson_utils.lab.step_profile import prefilled_engine
+
+    _, w = tiny
+    k, prompt = 100, [w.bos_token_id] + list(range(10, 29))  # 20 tokens: one block of 32, also after 5 more
+
+    def make(watermark):
+        manager = BlockManager(k, 32, watermark=watermark, max_seq_len=w.max_positions)
+        return lambda: Engine(w, PagedKVCache.for_model(w, manager=manager), stop_at_eos=False)
+
+    with pytest.raises(ValueError, match="holds 1 of 100 sequences.*a watermark of 1 blocks"):
+        prefilled_engine(make(0.01), prompt, k, repeats=1)
+    assert len(prefilled_engine(make(0.0), prompt, k, repeats=1).scheduler.running) == k
