@@ -220,28 +220,56 @@ def _swap_engine(w, num_blocks: int, block_size: int, oldest: bool, **kw) -> Eng
     return Engine(w, cache, stop_at_eos=False, preemption_mode="swap", swap_space=SwapSpace(60), **policy, **kw)
 
 
-@pytest.mark.parametrize("policy", ["oldest first", "default, with forked samples"])
-def test_a_swapped_victim_holds_exactly_its_tokens_slots(tiny, policy):
-    """A victim whose drafts' slots were reserved earlier in the step goes to the swap space with exactly its ``len``
-    tokens' slots (the between-steps table), not its draft's lookahead; nothing leaks, and the tokens are greedy's."""
+def _check_swapped_tables(engine: Engine, block_size: int) -> int:
+    """Every swapped sequence's CPU table holds exactly its ``len`` tokens' slots; returns how many were seen."""
+    seen = 0
+    for s in engine.scheduler.swapped:
+        table = engine.swap_space.cpu_tables[s.seq_id]
+        seen += 1
+        assert table.num_tokens == s.len and len(table.blocks) == math.ceil(s.len / block_size), (
+            s.len, table.num_tokens, len(table.blocks))  # fmt: skip
+    return seen
+
+
+def test_a_swapped_victim_holds_exactly_its_tokens_slots(tiny):
+    """Lesson 06's pluggable policy choosing the oldest sequence, whose drafts' slots were reserved earlier in the step:
+    it goes to the swap space with exactly its ``len`` tokens' slots (the between-steps table), not its draft's
+    lookahead; nothing leaks, and the tokens are those of the same engine without speculation."""
     _, w = tiny
-    oldest, swapped = policy == "oldest first", 0
+    swapped = 0
     for num_blocks, block_size in ((3, 4), (5, 2), (6, 2), (8, 2)):
         outputs = []
         for spec in (Speculation(3, lambda ids, k: [7] * k), None):
-            engine = _swap_engine(w, num_blocks, block_size, oldest, speculation=spec)
-            space = engine.swap_space
-            firsts = [engine.add_request([2, 5, 6], 6, n=1 if oldest else 2), engine.add_request([2, 8], 6)]
+            engine = _swap_engine(w, num_blocks, block_size, True, speculation=spec)
+            firsts = [engine.add_request([2, 5, 6], 6), engine.add_request([2, 8], 6)]
             while engine.scheduler.has_work:
                 engine.step()
-                for s in engine.scheduler.swapped:
-                    table = space.cpu_tables[s.seq_id]
-                    swapped += 1
-                    assert table.num_tokens == s.len and len(table.blocks) == math.ceil(s.len / block_size), (
-                        num_blocks, block_size, s.len, table.num_tokens, len(table.blocks))  # fmt: skip
-            assert _all_free(engine) and space.num_free == space.num_blocks
+                swapped += _check_swapped_tables(engine, block_size)
+            assert _all_free(engine) and engine.swap_space.num_free == engine.swap_space.num_blocks
             outputs.append([[x.output_ids for x in f.samples] for f in firsts])
-        assert outputs[0] == outputs[1]  # with speculation, the tokens of the same engine without it
+        assert outputs[0] == outputs[1]
+    assert swapped, "no sequence was swapped: the case under test did not happen"
+
+
+def test_with_the_default_policy_forked_samples_swap_out_their_tokens_slots_only(tiny):
+    """The default victim policy meets it when forked samples run beside drafting sequences (a workload found by a
+    random search that held 8 slots for a 7-token sequence before the fix)."""
+    _, w = tiny
+    arrivals = {0: ([2, 8, 4, 8], 1, 5), 1: ([2, 7], 3, 7), 3: ([2, 5, 7], 2, 5)}  # step: (prompt, n, max_new_tokens)
+    outputs, swapped = [], 0
+    for spec in (Speculation(3, lambda ids, k: prompt_lookup(ids, k) or [7] * k), None):
+        engine = _swap_engine(w, 8, 4, False, speculation=spec)
+        firsts = []
+        for step in range(80):
+            if step in arrivals:
+                prompt, n, new = arrivals[step]
+                firsts.append(engine.add_request(prompt, new, n=n))
+            if engine.scheduler.has_work:
+                engine.step()
+                swapped += _check_swapped_tables(engine, 4)
+        assert _all_free(engine) and engine.swap_space.num_free == engine.swap_space.num_blocks
+        outputs.append([[x.output_ids for x in f.samples] for f in firsts])
+    assert outputs[0] == outputs[1] and [len(f) for f in outputs[0]] == [1, 3, 2]
     assert swapped, "no sequence was swapped: the case under test did not happen"
 
 
