@@ -103,7 +103,10 @@ def _reads_outside_the_context(fn, reference, c: dict) -> str:
     else what it read. A masked-off lane's value cannot change the output here - int8 values are always finite and
     the masked scale that multiplies them is 0 - so the output cannot show an unmasked value load; the count of what
     the kernel loaded (:mod:`lesson_utils.lab.kernel_reads`) does. On a GPU there is no such count (the compiled
-    kernel reads silently, and past the end of the cache it is an illegal address): there the check is skipped."""
+    kernel reads silently, and past the end of the cache it is an illegal address): there the check is skipped.
+    What it cannot see either: a masked load without ``other=`` reads zeros in the interpreter and undefined values on
+    a GPU (a NaN there times a masked scale of 0 is NaN) - the spec's "masked tokens read 0 and scale 0" says why
+    ``other=0`` is part of the answer, and the hint for a NaN output asks about it."""
     from lesson_utils.core.env import triton_interpreted
     from lesson_utils.kernels.int8_kv import int8_paged_attention_decode
     from lesson_utils.lab.kernel_reads import count_reads
@@ -178,9 +181,10 @@ def check_load_int8_tile(fn, quiet: bool = False) -> CheckResult:
         )  # fmt: skip
         if bad is not None:
             return bad
-    unmasked = _reads_outside_the_context(fn, load_int8_tile, _loader_cases(case_device())[0])
-    if unmasked:
-        return failed(name, f"in {decode}: {unmasked}", load_int8_tile, quiet)
+    for c in _loader_cases(case_device())[:2]:  # past each context; and past head_dim 24 (its tile is 32 wide)
+        unmasked = _reads_outside_the_context(fn, load_int8_tile, c)
+        if unmasked:
+            return failed(name, f"in {decode}: {unmasked}", load_int8_tile, quiet)
     c = _loader_cases(case_device())[1]  # chunks and decodes through the unified kernel
     starts = torch.tensor([0, 1, 3, 4], dtype=torch.int32, device=c["q"].device)
     q = torch.cat([c["q"][:1], c["q"][1:2].expand(2, -1, -1), c["q"][2:]]).contiguous()

@@ -36,6 +36,9 @@ def _lookup_cases() -> list[tuple]:
         # ids of several digits: "1 2" is not a match inside "11 2" or "1 23" (ids are compared as ids, not as text)
         ([11, 2, 5, 1, 23, 7, 1, 2], 3),
         ([4, 112, 9, 12, 6, 30, 1, 12], 2),
+        # the same 3-token tail and k with different continuations: the answer depends on the whole context
+        ([5, 1, 2, 3, 9, 1, 2, 3], 2),
+        ([1, 2, 3, 7, 7, 1, 2, 3], 2),
         # a long context whose only earlier match is far back: the search looks over all of it
         ([40, 41, 42, 43] + [100 + i for i in range(70)] + [41, 42], 3),
     ]
@@ -127,9 +130,12 @@ def check_accept_greedy(fn) -> CheckResult:
 
 
 # the rejection rule: a distribution test over a 5-token vocabulary
-_ROWS = torch.tensor(  # the target's distribution after the newest token, after draft 1, after draft 2
-    [[0.1, 0.4, 0.05, 0.3, 0.15], [0.3, 0.05, 0.2, 0.35, 0.1], [0.05, 0.15, 0.5, 0.1, 0.2]]
+_ROWS = torch.tensor(  # the target's distribution after the newest token, after draft 1, 2, 3
+    [[0.1, 0.4, 0.05, 0.3, 0.15], [0.3, 0.05, 0.2, 0.35, 0.1], [0.05, 0.15, 0.5, 0.1, 0.2], [0.2, 0.2, 0.1, 0.1, 0.4]]
 )
+# drafts of every length prompt lookup proposes (a bonus row hard-wired for one length fails another); a likely
+# first token and an unlikely one; [1, 3] keeps every draft in 14 % of trials
+_DRAFTS = ([1, 3], [2, 3], [1], [3, 3, 2])
 _P = _ROWS[0]
 _TRIALS = 3000
 _Z = 4.5  # standard errors: a correct sampler fails a case about once in 10^5 runs
@@ -165,12 +171,21 @@ def _off(freqs: torch.Tensor, p: torch.Tensor, n: int) -> int | None:
     return worst if float(excess[worst]) > 0 else None
 
 
+def _why(i: int, draft: list[int]) -> str:
+    """The question for a wrong output token ``i`` of a draft."""
+    if i == len(draft):
+        return "when every draft is kept, where does the last token come from?"
+    if i == 0:
+        return "when the draft is rejected, which distribution is the replacement drawn from?"
+    return f"is draft {i + 1} judged with row {i + 1} of probs?"
+
+
 def check_accept_sampled(fn) -> CheckResult:
     """Exercise 11-3: ``accept(draft, probs, generator)`` - the rejection rule for a deterministic proposer. Checked by
     distribution: over many seeded trials the first token must be distributed as the target's ``p``, whichever token
     was drafted, and the token after a kept draft too; ``probs`` must come back unchanged."""
     name = "accept_sampled"
-    probs = _ROWS.clone()
+    probs = _ROWS[:3].clone()  # [len(draft) + 1, vocab]
     before = probs.clone()
     try:
         out, err = call_learner(fn, [1, 3], probs, torch.Generator().manual_seed(0))
@@ -184,7 +199,7 @@ def check_accept_sampled(fn) -> CheckResult:
     for _ in range(2):  # the same seed twice: the same tokens, or the generator given was not the one used
         g = torch.Generator().manual_seed(7)
         try:
-            runs.append([short(call_learner(fn, [1, 3], _ROWS.clone(), g)[0]) for _ in range(20)])
+            runs.append([short(call_learner(fn, [1, 3], _ROWS[:3].clone(), g)[0]) for _ in range(20)])
         except NotImplementedError:
             return not_implemented(name, accept_sampled)
     if runs[0] != runs[1]:
@@ -195,48 +210,49 @@ def check_accept_sampled(fn) -> CheckResult:
             "generator=generator)), so each sequence's sampling is reproducible from its own seed",
             accept_sampled,
         )
-    for x in (1, 2):  # a likely draft token and an unlikely one
+    for draft in _DRAFTS:
+        rows = _ROWS[: len(draft) + 1]
         try:
-            counts, problem = _sample_many(fn, [x, 3], _ROWS.clone(), seed=x)
+            counts, problem = _sample_many(fn, draft, rows.clone(), seed=sum(draft) + len(draft))
         except NotImplementedError:
             return not_implemented(name, accept_sampled)
         if problem:
-            return failed(name, f"drafting [{x}, 3]: your code {problem}", accept_sampled)
-        why = (
-            "when the draft is rejected, which distribution is the replacement drawn from?",
-            "is the second draft judged with the second row of probs?",
-            "when every draft is kept, where does the last token come from?",
-        )
+            return failed(name, f"drafting {draft}: your code {problem}", accept_sampled)
+
         reached = counts.sum(dim=1).tolist()
         for i, n in enumerate(reached):
-            token = _off(counts[i] / max(n, 1), _ROWS[i], int(n)) if n else None
+            token = _off(counts[i] / max(n, 1), rows[i], int(n)) if n else None
             if token is not None:
                 return failed(
                     name,
-                    f"drafting [{x}, 3] over {_TRIALS} seeded trials, output token {i + 1} (reached {int(n)} times) "
+                    f"drafting {draft} over {_TRIALS} seeded trials, output token {i + 1} (reached {int(n)} times) "
                     f"was {token} in {float(counts[i, token]) / n:.1%} of them; the target's probability there is "
-                    f"{float(_ROWS[i, token]):.1%}. Speculative sampling gives every token the target's probability: "
-                    + why[min(i, 2)],
+                    f"{float(rows[i, token]):.1%}. Speculative sampling gives every token the target's probability: "
+                    + _why(i, draft),
                     accept_sampled,
                 )
-        draft = [x, 3]
         for i, n in enumerate(reached):  # position i is reached when drafts 0 .. i-1 were all kept
-            p_reach = float(torch.prod(torch.tensor([float(_ROWS[j, draft[j]]) for j in range(i)]))) if i else 1.0
+            p_reach = float(torch.prod(torch.tensor([float(rows[j, draft[j]]) for j in range(i)]))) if i else 1.0
             mean, sd = _TRIALS * p_reach, (_TRIALS * p_reach * (1 - p_reach)) ** 0.5
             if abs(n - mean) > _Z * sd + 0.5:
                 kept = "every draft was kept" if i == len(draft) else f"the first {i} draft(s) were kept"
                 return failed(
                     name,
-                    f"drafting [{x}, 3] over {_TRIALS} seeded trials, your code returned an output token {i + 1} "
+                    f"drafting {draft} over {_TRIALS} seeded trials, your code returned an output token {i + 1} "
                     f"{int(n)} times; it comes whenever {kept}, which the target's probabilities make about "
                     f"{mean:.0f} times. "
-                    + (why[2] if i == len(draft) else "each draft is kept with probability p(draft) at its position"),
+                    + (
+                        _why(i, draft)
+                        if i == len(draft)
+                        else "each draft is kept with probability p(draft) at its position"
+                    ),
                     accept_sampled,
                 )
     return passed(
         name,
-        f"over {2 * _TRIALS} seeded trials every output token is distributed as the target's and each position is "
-        f"reached as often as the drafts before it are kept (within {_Z} standard errors), whichever token was drafted.",
+        f"over {len(_DRAFTS) * _TRIALS} seeded trials (drafts of 1, 2 and 3 tokens) every output token is distributed "
+        f"as the target's and each position is reached as often as the drafts before it are kept (within {_Z} "
+        "standard errors), whichever token was drafted.",
         fn,
     )
 
@@ -253,6 +269,7 @@ def _pick_cases() -> list[tuple[float, dict[int, float]]]:
         {1: 0.02},  # only a plain decode step measured: no k > 0 can be predicted
         {4: 1.6, 2: 1.2, 5: 1.85, 1: 1.0, 3: 1.4},  # measured in another order: a cost is found by its token count
         {3: 1.01, 1: 1.0, 2: 1.0},
+        {1: 1.0, 2: 0.98, 3: 1.02},  # noise on a flat curve: k = 1 pays even when no draft is ever kept
     ]
     cases = [(a, c) for c in costs for a in (0.0, 0.3, 0.6, 0.85, 1.0)]
     rng = random.Random(15)

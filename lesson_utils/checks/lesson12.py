@@ -31,6 +31,7 @@ def _cases() -> list[tuple]:
         ((2, 5, 64), 42, 10000.0, torch.float32),  # five tokens at the same position
         ((3, 64), 123, 100000.0, torch.float16),  # fp16, as a GPU caches it
         ((3, 64), 7, 500000.0, torch.float32),  # position 7 again, with another model's frequencies
+        ((3, 64), 7, 100000.0, torch.float16),  # and again with the first frequencies, for an fp16 key
         ((2, 64), 5001, 10000.0, torch.float16),  # a position fp16 cannot hold (5000 and 5004 are its neighbours)
         ((2, 64), 77, 10000.0, torch.bfloat16),  # bf16, as an Ampere GPU caches it
         ((2, 64), 1000, 10000.0, "fp16 inv_freq"),  # frequencies handed over in fp16 (a model converted with .half())

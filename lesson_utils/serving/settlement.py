@@ -10,6 +10,8 @@ every step: a step in which some sequence verifies drafts forks, caches and fini
 
 from __future__ import annotations
 
+from itertools import accumulate
+
 from lesson_utils.core.types import Sequence, SequenceStatus
 from lesson_utils.serving.forks import fork_samples
 from lesson_utils.serving.output import RunnerOutput, StepPlan
@@ -42,7 +44,7 @@ class SettlesSteps:
             if not seq.draft:
                 self.manager.cache_computed(seq)
         due = [plan.scheduled[i] for i in plan.sampling]
-        first = [sum(plan.sample_counts[:j]) for j in range(len(due))]
+        first = list(accumulate(plan.sample_counts, initial=0))[: len(due)]  # each due sequence's first logits row
         dues = [DueRows(seq, first[j], plan.sample_counts[j]) for j, seq in enumerate(due)]
         for j, seq in enumerate(due):
             if seq.pending_forks:  # its samples draw their first token from its (last) row
@@ -61,7 +63,7 @@ class SettlesSteps:
                 self.manager.cache_computed(seq)  # only now: its rejected drafts' blocks are gone
             else:
                 seq.append_token(tokens[0], plan.step)
-        for seq in plan.scheduled:
+        for seq in [*plan.scheduled, *self.running]:  # (one the budget left out drafted for nothing)
             seq.draft = []
         rows = {  # the beams' logits rows: their group chooses (None: a simulation)
             id(d.seq): (None if logits is None else logits[d.first]) for d in dues if d.seq.beam is not None

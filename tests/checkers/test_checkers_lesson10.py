@@ -344,3 +344,14 @@ def test_the_loader_cases_are_well_conditioned():
             q = c["q"][s].double().view(k.shape[2], group, -1)
             scores = torch.einsum("hgd,nhd->hgn", q, keys) / q.shape[-1] ** 0.5
             assert scores.abs().max().item() < 1e3, (c["shown"], scores.abs().max().item())
+
+
+@triton.jit
+def masks_values_by_token_only(ptrs, scale_ptrs, mask, token_mask):
+    x = tl.load(ptrs, mask=token_mask[:, None], other=0).to(tl.float32)  # columns past head_dim read anyway
+    s = tl.load(scale_ptrs, mask=token_mask, other=0.0)
+    return x * s[:, None]
+
+
+def test_a_value_load_masked_by_token_only_is_caught_by_what_it_reads():
+    assert rejected(C.check_load_int8_tile(masks_values_by_token_only, quiet=True), "K values the mask turns off")

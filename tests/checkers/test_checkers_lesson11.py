@@ -166,7 +166,7 @@ def returns_a_tensor(draft, probs, g):
     [
         (always_keeps, "which distribution is the replacement drawn from"),
         (resamples_from_p, "which distribution is the replacement drawn from"),
-        (judges_every_draft_with_the_first_row, "second row of probs"),
+        (judges_every_draft_with_the_first_row, "judged with row 2 of probs"),
         (greedy_bonus, "where does the last token come from"),
         (changes_probs, "changed `probs`"),
         (returns_a_tensor, "a non-empty list of token ids"),
@@ -458,4 +458,40 @@ def reads_costs_by_position(a, cost):
     ],
 )
 def test_wrong_answers_the_old_cases_let_through_are_rejected(check, wrong, needle):
+    assert rejected(check(wrong), needle)
+
+
+# ---- what a learner tried after issue 43's cases (a helper's review) ------------------------------------------------
+def cached_by_tail():
+    cache = {}
+
+    def propose(ids, k):
+        key = (tuple(ids[-3:]), k)
+        if key not in cache:
+            cache[key] = prompt_lookup(ids, k)
+        return list(cache[key])
+
+    return propose
+
+
+def bonus_row_for_two_drafts(draft, probs, g):
+    out = accept_sampled(draft, probs, g)
+    if len(out) == len(draft) + 1:  # the bonus drawn from row 2 whatever the draft's length
+        out[-1] = int(torch.multinomial(probs[min(2, len(probs) - 1)], 1, generator=g))
+    return out
+
+
+def never_speculates_at_zero(a, cost):
+    return (0, 1.0) if a == 0 else pick_k(a, cost)
+
+
+@pytest.mark.parametrize(
+    "check, wrong, needle",
+    [
+        (lesson11.check_prompt_lookup, cached_by_tail(), "expected"),
+        (lesson11.check_accept_sampled, bonus_row_for_two_drafts, "where does the last token come from"),
+        (lesson11.check_pick_k, never_speculates_at_zero, "is it the best"),
+    ],
+)
+def test_wrong_answers_a_reviewer_found_are_rejected(check, wrong, needle):
     assert rejected(check(wrong), needle)

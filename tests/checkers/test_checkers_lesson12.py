@@ -130,3 +130,22 @@ def test_wrong_answers_the_old_cases_let_through_are_rejected(not_strict):
     assert rejected(check_rotate_at(position_in_the_keys_dtype), "multiply the position in fp32")
     assert rejected(check_rotate_at(half_unless_fp32), "keep x's dtype (torch.bfloat16)")
     assert rejected(check_rotate_at(angles_in_inv_freqs_dtype), "turn it into fp32 before multiplying")
+
+
+def cached_without_the_dtype():
+    cache = {}
+
+    def rotate(x, position, inv_freq):
+        key = (position, tuple(inv_freq.tolist()))
+        if key not in cache:  # cos and sin in the first caller's dtype, reused for every later key
+            freqs = position * inv_freq.float()
+            angles = torch.cat((freqs, freqs))
+            cache[key] = (angles.cos().to(x.dtype), angles.sin().to(x.dtype))
+        cos, sin = cache[key]
+        return x * cos + rotate_half(x) * sin
+
+    return rotate
+
+
+def test_a_cache_that_forgets_the_dtype_is_rejected(not_strict):
+    assert rejected(check_rotate_at(cached_without_the_dtype()), "keep x's dtype")
