@@ -7,7 +7,8 @@ from __future__ import annotations
 import difflib
 from pathlib import Path
 
-from course_tools.build import (
+from course_tools.course_config import BuildError
+from course_tools.notebook_files import (
     FIX_COMMAND,
     LESSON_GLOB,
     NOTEBOOKS_DIR,
@@ -16,7 +17,6 @@ from course_tools.build import (
     build_files,
     orphan_students,
 )
-from course_tools.course_config import BuildError
 from course_tools.workspace import WORK_DIR, _committed_text, _has_outputs, _rel, holds_learner_work
 
 

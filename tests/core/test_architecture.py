@@ -111,6 +111,42 @@ def test_the_import_graph_has_no_cycle():
             visit(m, [m])
 
 
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle of ``graph`` (module -> modules it imports), or None."""
+    state: dict[str, int] = {}  # 1 on the stack, 2 done
+
+    def visit(m: str, path: list[str]) -> list[str] | None:
+        state[m] = 1
+        for d in sorted(graph[m]):
+            if state.get(d) == 1:
+                return path[path.index(d) :] + [d]
+            if d not in state:
+                found = visit(d, path + [d])
+                if found:
+                    return found
+        state[m] = 2
+        return None
+
+    for m in sorted(graph):
+        if m not in state:
+            found = visit(m, [m])
+            if found:
+                return found
+    return None
+
+
+def test_no_import_cycle_anywhere_in_the_repository():
+    """The package, the tooling (``course_tools``) and the tests' helpers together: no module reaches itself (a
+    function-level import counts: it is a cycle that only waits to be called)."""
+    roots = [PACKAGE, ROOT / "course_tools", ROOT / "tests" / "helpers"]
+    modules = {module_name(p): p for r in roots for p in r.rglob("*.py")}
+    graph = {m: {i for i in imports_of(p) if i in modules and i != m} for m, p in modules.items()}
+    for m in graph:  # a package's __init__ is not an edge to its own modules
+        graph[m] = {d for d in graph[m] if not m.startswith(d + ".")}
+    assert _cycle(graph) is None, "import cycle: " + " -> ".join(_cycle(graph) or [])
+    assert _cycle({"a": {"b"}, "b": {"a"}}) == ["a", "b", "a"]  # the search can fail
+
+
 MUTATING = {"pop", "popitem", "clear", "update", "setdefault"}
 
 

@@ -241,7 +241,7 @@ def test_retarget_with_repo_and_ref(repo: Path):
     assert build.main(["--root", str(repo), "--repo", "fork/course2", "--ref", "v1.0"]) == 0
     toml = (repo / "course_tools" / "course.toml").read_text()
     assert 'repo = "fork/course2"' in toml and 'ref = "v1.0"' in toml and "# where the course lives" in toml
-    assert build.load_course(repo) == build.Course("fork/course2", "v1.0", "pagedattention-course")
+    assert course_config.load_course(repo) == course_config.Course("fork/course2", "v1.0", "pagedattention-course")
     for folder in ("solutions", "notebooks"):
         text = (repo / folder / "01_kv_cache.ipynb").read_text()
         assert REPO not in text
@@ -253,7 +253,7 @@ def test_retarget_with_repo_and_ref(repo: Path):
 
 
 def test_package_course_toml_is_valid():
-    course = build.load_course()
+    course = course_config.load_course()
     assert course_config.REPO_RE.match(course.repo) and course.ref and course.package == "pagedattention-course"
 
 
