@@ -104,16 +104,23 @@ def decode_attention(
     one call instead of a Python loop over sequences - the better trade on a GPU, where every call in that
     loop is a kernel launch. On a CPU the loop wins (see :mod:`lesson_utils.cache.paged`).
     """
+    return decode_attention_over(q, k_flat[slot_index], v_flat[slot_index], context_lens, scale)
+
+
+def decode_attention_over(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, context_lens: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """:func:`decode_attention` once the keys and values are gathered: ``k``/``v`` ``[num_seqs, max_ctx, kv_heads, d]``
+    (each sequence's context, padded; a quantized cache hands them over dequantized)."""
     n, heads, d = q.shape
-    kv_heads = k_flat.shape[1]
+    kv_heads = k.shape[2]
     if heads % kv_heads:
         raise ValueError(f"{heads} query heads is not a multiple of {kv_heads} kv heads")
     group = heads // kv_heads
-    k = k_flat[slot_index].to(q.dtype).transpose(1, 2)  # [n, kv_heads, max_ctx, d]
-    v = v_flat[slot_index].to(q.dtype).transpose(1, 2)
+    k, v = k.to(q.dtype).transpose(1, 2), v.to(q.dtype).transpose(1, 2)  # [n, kv_heads, max_ctx, d]
     if group > 1:
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-    keep = torch.arange(slot_index.shape[1], device=q.device)[None, :] < context_lens.to(q.device)[:, None]
+    keep = torch.arange(k.shape[2], device=q.device)[None, :] < context_lens.to(q.device)[:, None]
     out = F.scaled_dot_product_attention(q[:, :, None, :], k, v, attn_mask=keep[:, None, None, :], scale=scale)
     return out[:, :, 0, :]
 

@@ -20,12 +20,15 @@ the gather.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Callable
 
 import torch
 
-from lesson_utils.cache.attention import decode_attention, fused_attention_over_context, gather_kv
+from lesson_utils.cache.attention import gather_kv  # noqa: F401 - importable from here, as lesson 03 does
+from lesson_utils.cache.backends import GatherBackend
 from lesson_utils.cache.block_copy import SlotTensors, pack_blocks, restore_blocks, save_blocks, unpack_blocks
+from lesson_utils.cache.formats import FloatFormat
 from lesson_utils.cache.paged_metadata import MetadataNeeds, build_paged_metadata
 from lesson_utils.cache.seam import StepBatch
 from lesson_utils.core.device_discipline import acts_as_gpu, synchronize
@@ -73,6 +76,16 @@ def swap_in_blocks(k_cache, v_cache, copies: list[tuple[int, int]], host: torch.
 
 
 class PagedKVCache:
+    """A paged KV cache: a storage **format** (:mod:`~lesson_utils.cache.formats`) and an attention **backend**
+    (:mod:`~lesson_utils.cache.backends`) over one block manager's blocks. Any format works with any backend; the
+    lessons' classes are presets of the two (this one: floats and lesson 03's gather; ``TritonPagedKVCache``,
+    ``UnifiedTritonKVCache``, ``Int8PagedKVCache``).
+
+    ``k_cache[layer]`` / ``v_cache[layer]`` are the format's value tensors ``[num_blocks, block_size, num_kv_heads,
+    head_dim]``; ``slot_tensors`` names everything it keeps per slot, and every path that moves blocks moves all of
+    it. ``kernel_writes``: new K/V written by the format's Triton write kernel (default: when the backend computes
+    with kernels)."""
+
     def __init__(
         self,
         num_layers: int,
@@ -83,21 +96,23 @@ class PagedKVCache:
         dtype: torch.dtype = torch.float32,
         device: str = "cpu",
         slot_mapping_fn: Callable = slot_mapping,
-        gather_fn: Callable = gather_kv,
+        gather_fn: Callable | None = None,
         batched_decode: bool | None = None,
+        format: FloatFormat | None = None,
+        backend=None,
+        kernel_writes: bool | None = None,
     ):
         self.manager = manager
-        shape = (manager.num_blocks, manager.block_size, num_kv_heads, head_dim)
-        self.k_cache = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v_cache = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self._slot_mapping, self._gather = slot_mapping_fn, gather_fn
-        if batched_decode is None:  # see the module docstring for why this depends on the device
-            batched_decode = gather_fn is gather_kv and acts_as_gpu(device)
-        self.batched_decode = batched_decode
+        self.format = FloatFormat(dtype) if format is None else format
+        self.backend = GatherBackend(gather_fn, batched_decode) if backend is None else backend
+        self.format.allocate(num_layers, manager.num_blocks, manager.block_size, num_kv_heads, head_dim, device)
+        self.backend.bind(acts_as_gpu(device))
+        self.kernel_writes = self.backend.kernel_writes if kernel_writes is None else kernel_writes
+        self._slot_mapping = slot_mapping_fn
 
     @classmethod
     def for_model(cls, w, num_blocks: int | None = None, block_size: int = 16, *, manager=None, **kw) -> "PagedKVCache":
-        """A cache with the geometry of ``w`` (an ``OPTWeights``): on ``manager``, or on a fresh
+        """A cache with the geometry of ``w`` (any model's weights): on ``manager``, or on a fresh
         :class:`BlockManager` of ``num_blocks`` blocks; on ``w``'s device and in its dtype unless ``device=`` /
         ``dtype=`` say otherwise."""
         manager_kw = {k: kw.pop(k) for k in ("watermark", "grow_fn", "allocator") if k in kw}
@@ -109,6 +124,15 @@ class PagedKVCache:
         kw.setdefault("device", w.device)
         return cls(w.num_layers, w.num_kv_heads, w.head_dim, manager, **kw)
 
+    # ---- what the format keeps --------------------------------------------------------------------------------
+    @property
+    def k_cache(self) -> list[torch.Tensor]:
+        return self.format.k_cache
+
+    @property
+    def v_cache(self) -> list[torch.Tensor]:
+        return self.format.v_cache
+
     @property
     def block_size(self) -> int:
         return self.manager.block_size
@@ -116,7 +140,7 @@ class PagedKVCache:
     @property
     def slot_tensors(self) -> tuple[SlotTensors, ...]:
         """Everything this cache keeps per slot, named once: every path that moves blocks moves each of these."""
-        return (SlotTensors("K/V", self.k_cache, self.v_cache),)
+        return self.format.slot_tensors
 
     def save_blocks(self, blocks: list[int]) -> list[torch.Tensor]:
         """A copy of ``blocks``' contents, every kind and layer (a step about to overwrite them keeps it)."""
@@ -128,17 +152,19 @@ class PagedKVCache:
 
     @property
     def bytes_per_block(self) -> int:
-        k = self.k_cache[0]
-        return 2 * len(self.k_cache) * k[0].numel() * k.element_size()
+        return self.format.bytes_per_block
 
     def allocated_bytes(self) -> int:
         """Bytes of every tensor this cache allocated: its capacity measured, not computed from a formula."""
-        return sum(t.numel() * t.element_size() for t in self.k_cache + self.v_cache)
+        return self.format.allocated_bytes()
 
+    # ---- the step -----------------------------------------------------------------------------------------------
     @property
     def metadata_needs(self) -> MetadataNeeds:
-        """What this cache's ``write``/``attend`` read from the step's metadata (subclasses with kernels ask for more)."""
-        return MetadataNeeds(decode="gather" if self.batched_decode else None, table_ids=self._gather is gather_kv)
+        """What this cache's ``write``/``attend`` read from the step's metadata (the backend's needs; a write kernel's
+        int32 slots besides)."""
+        needs = self.backend.metadata_needs()
+        return replace(needs, int32_slots=True) if self.kernel_writes else needs
 
     def prepare(self, batch: StepBatch) -> None:
         """The step's metadata (:mod:`~lesson_utils.cache.paged_metadata`), built once for every layer. Allocates
@@ -154,9 +180,21 @@ class PagedKVCache:
                     "reserve them first (the memory manager's allocate / append_slot, which the scheduler calls)"
                 )
             tables.append(table.blocks)
+        device = self.k_cache[0].device
         batch.meta = build_paged_metadata(
-            batch, tables, self.block_size, self.k_cache[0].device, self.metadata_needs, self._slot_mapping
+            batch, tables, self.block_size, device, self.metadata_needs, self._slot_mapping
         )
+        self.backend.adjust_metadata(batch, device)
+
+    def write(self, layer, batch, k, v):
+        self.format.write(layer, batch, k, v, by_kernel=self.kernel_writes)
+
+    def attend(self, layer, batch, q, scale):
+        return self.backend.attend(self.format, layer, batch, q, scale)
+
+    def gather_context(self, layer: int, table, context_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """One sequence's K and V ``[context_len, kv_heads, d]`` through its table, in the model's dtype."""
+        return self.format.gather(layer, table, context_len, self.backend.gather)
 
     # A swap moves all its blocks, K and V of every layer, in ONE host-device copy through a pinned staging
     # buffer: gather on the device (pack_blocks, lesson 09's packing too), one asynchronous copy, scatter on the
@@ -186,42 +224,6 @@ class PagedKVCache:
             for kc, vc in zip(kind.k, kind.v):
                 kc[dst].copy_(kc[src])
                 vc[dst].copy_(vc[src])
-
-    def write(self, layer, batch, k, v):
-        slots = batch.meta.slots
-        kc, vc = self.k_cache[layer], self.v_cache[layer]
-        kc.view(-1, kc.shape[2], kc.shape[3])[slots] = k.to(kc.dtype)
-        vc.view(-1, vc.shape[2], vc.shape[3])[slots] = v.to(vc.dtype)
-
-    def gather_context(self, layer: int, table, context_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """One sequence's K and V ``[context_len, kv_heads, d]`` through its table (lesson 10 dequantizes here)."""
-        return self._gather(self.k_cache[layer], table, context_len), self._gather(
-            self.v_cache[layer], table, context_len
-        )
-
-    def attend(self, layer, batch, q, scale):
-        """The sequences not in the decode group one at a time (gather, then fused attention), the group at once."""
-        out = torch.empty_like(q)
-        decode = batch.meta.decode
-        skip = set(decode.indices) if decode else set()
-        tables = batch.meta.table_ids or batch.meta.block_tables
-        rows = zip(tables, batch.starts, batch.query_lens, batch.context_lens)
-        for i, (table, start, n, ctx) in enumerate(rows):
-            if i in skip:
-                continue
-            k, v = self.gather_context(layer, table, ctx)
-            out[start : start + n] = fused_attention_over_context(q[start : start + n], k, v, scale)
-        if decode:
-            out[decode.rows] = self.attend_decodes(layer, batch, q[decode.rows], scale)
-        return out
-
-    def attend_decodes(self, layer, batch, q, scale):
-        """Attention of the decoding sequences' new tokens (``q``: ``[num_decodes, heads, d]``), all at once."""
-        decode = batch.meta.decode
-        kc, vc = self.k_cache[layer], self.v_cache[layer]
-        return decode_attention(
-            q, kc.view(-1, *kc.shape[2:]), vc.view(-1, *vc.shape[2:]), decode.slot_index, decode.context_lens, scale
-        )
 
     def free(self, seq_id: int) -> None:
         self.manager.free(seq_id)
