@@ -215,48 +215,30 @@ def unified_kernel_bench(
 
 
 def engine_kinds(w) -> Iterator[tuple[str, object]]:
-    """Every engine the course builds, on ``w``'s device and dtype, as ``(name, engine)``. The two "preempted" ones
-    are short of memory (7 blocks of 8) so that a longer workload preempts, by recompute and by swap."""
-    from lesson_utils.cache.paged import PagedKVCache
-    from lesson_utils.cache.reserved import ReservedKVCache
-    from lesson_utils.cache.triton_paged import TritonPagedKVCache, UnifiedTritonKVCache
-    from lesson_utils.memory.block_manager import BlockManager
-    from lesson_utils.memory.reservation import ContiguousReservationManager
-    from lesson_utils.memory.sharing import SharingBlockManager
-    from lesson_utils.memory.swap import SwapSpace
-    from lesson_utils.serving.engine import Engine
-    from lesson_utils.serving.token_budget import ChunkedPrefill
+    """Every engine kind of the course's registry (:data:`lesson_utils.lab.engine_kinds.ENGINE_KINDS`), on ``w``'s
+    device and dtype, as ``(name, engine)``: 40 blocks of 16 each; the kinds kept short of memory get 7, so that a
+    longer workload preempts them (by recompute, by swap); the contiguous one reserves 64 tokens a request."""
+    from lesson_utils.lab.engine_kinds import ENGINE_KINDS
 
-    yield "paged", Engine(w, PagedKVCache.for_model(w, num_blocks=40, block_size=16))
-    yield (
-        "paged (batched decode)",
-        Engine(w, PagedKVCache.for_model(w, num_blocks=40, block_size=16, batched_decode=True)),
-    )
-    triton = TritonPagedKVCache(
-        w.num_layers, w.num_kv_heads, w.head_dim, BlockManager(40, 16), dtype=w.dtype, device=w.device
-    )
-    yield "Triton", Engine(w, triton)
-    yield (
-        "paged + prefix cache",
-        Engine(w, PagedKVCache.for_model(w, manager=SharingBlockManager(40, 16, max_seq_len=w.max_positions))),
-    )
-    naive = ContiguousReservationManager(4 * w.max_positions, "max", max_seq_len=w.max_positions)
-    yield "naive", Engine(w, ReservedKVCache.for_model(w, naive))
-    yield (
-        "chunked (unified kernel)",
-        Engine(w, UnifiedTritonKVCache.for_model(w, 40, 16), chunked_prefill=ChunkedPrefill(8)),
-    )
-    yield (
-        "chunked (gather)",
-        Engine(w, PagedKVCache.for_model(w, num_blocks=40, block_size=4), chunked_prefill=ChunkedPrefill(8)),
-    )
-    yield "preempted (recompute)", Engine(w, PagedKVCache.for_model(w, num_blocks=7, block_size=8))
-    swap = PagedKVCache.for_model(w, num_blocks=7, block_size=8)
-    yield "preempted (swap)", Engine(w, swap, preemption_mode="swap", swap_space=SwapSpace(40))
+    for kind in ENGINE_KINDS:
+        yield (
+            kind.name,
+            kind.build(w, num_blocks=40, block_size=16, short_blocks=7, budget=8, swap_blocks=40, max_seq_len=64),
+        )
 
 
 def is_preempted(name: str) -> bool:
-    return name.startswith("preempted")
+    """Whether the kind called ``name`` is kept short of memory (it is served the longer, preempting workload)."""
+    from lesson_utils.lab.engine_kinds import engine_kind
+
+    return engine_kind(name).short
+
+
+def is_exact(name: str) -> bool:
+    """Whether the kind called ``name`` is held to the identity rule (a quantized cache is compared under a bound)."""
+    from lesson_utils.lab.engine_kinds import engine_kind
+
+    return engine_kind(name).exact
 
 
 @contextlib.contextmanager
@@ -334,14 +316,16 @@ class IdentityStats:
 
 
 def identity_stats(model, w, prompts, max_new_tokens: int, *, references=None) -> list[IdentityStats]:
-    """Every engine kind's greedy outputs against HF ``generate`` under the identity rule, the threshold calibrated
-    in the run (:func:`lesson_utils.lab.identity.compare_all` with ``w``)."""
+    """Every exact engine kind's greedy outputs against HF ``generate`` under the identity rule, the threshold calibrated
+    in the run (:func:`lesson_utils.lab.identity.compare_all` with ``w``); quantized kinds are lesson 10's business."""
     from lesson_utils.lab import identity
 
     if references is None:
         references = [identity.hf_greedy(model, p, max_new_tokens, w.eos_token_id) for p in prompts]
     out = []
     for name, engine in engine_kinds(w):
+        if not is_exact(name):
+            continue
         got = engine.generate(prompts, max_new_tokens)
         report = identity.compare_all(model, prompts, references, got, w=w)
         cal = report.calibration

@@ -26,7 +26,7 @@ import torch
 
 from lesson_utils.cache.attention import gather_kv
 from lesson_utils.cache.block_copy import SlotTensors
-from lesson_utils.cache.quantize import KVQuantError, dequantize_kv, quantize_finite_kv, quantize_kv
+from lesson_utils.cache.quantize import KVQuantError, dequantize_kv, quantize_finite_kv
 from lesson_utils.kernels.int8_kv import load_int8_tile, write_int8_kv_to_cache
 from lesson_utils.kernels.paged_attention import write_kv_to_cache
 
@@ -201,8 +201,10 @@ class Int8Format(ScaledFormat):
     def quantize(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.quantize_fn is not None:
             return self.quantize_fn(x)
-        # the course's rule checks finiteness itself: skip that second pass when the layer was just checked
-        return quantize_finite_kv(x) if self.check_finite else quantize_kv(x)
+        # without its own finiteness check (a read-back): ``write`` has checked the layer already (check_finite), or
+        # the check is off because it would wait for the GPU every layer - a NaN is then refused when the engine
+        # reads the logits, in the read it makes anyway
+        return quantize_finite_kv(x)
 
     def write(self, layer: int, batch, k: torch.Tensor, v: torch.Tensor, *, by_kernel: bool) -> None:
         if by_kernel and self.quantize_fn is None:

@@ -55,7 +55,8 @@ def quantize_finite_kv(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     # scale float32 cannot hold (the stored scale is float32; an inf there would poison every later step)
     xw = x.double() if x.dtype == torch.float64 else x.float()
     scale = (xw.abs().amax(dim=-1) / QMAX).float()
-    _refuse_unstorable_scales(xw, scale)
+    if x.dtype == torch.float64:  # (a finite float32, fp16 or bf16 vector's scale always fits: no read-back for it)
+        _refuse_unstorable_scales(xw, scale)
     safe = torch.where(scale > 0, scale, torch.ones_like(scale)).to(xw.dtype)  # an all-zero vector: q = 0, scale 0
     q = torch.round(xw / safe[..., None]).clamp_(-QMAX, QMAX).to(torch.int8)
     return q, scale

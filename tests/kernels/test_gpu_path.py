@@ -18,7 +18,7 @@ from helpers import hf_greedy
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from course_tools.gpu_checks import engine_kinds
+from course_tools.gpu_checks import engine_kinds, is_exact, is_preempted
 from lesson_utils.cache import attention, paged
 from lesson_utils.cache import contiguous as contiguous_cache
 from lesson_utils.cache.host_blocks import HostBlocks
@@ -262,7 +262,8 @@ def _serve_every_engine_kind_on_the_device(model, w):
     want = {k: [hf_greedy(model, p, n, w.eos_token_id) for p in ps] for k, (ps, n) in workloads.items()}
     with discipline() as mode:
         for name, engine in engine_kinds(w):
-            prompts, n_new = workloads[name.startswith("preempted")]
+            short = is_preempted(name)
+            prompts, n_new = workloads[short]
             seqs = [engine.add_request(p, n_new) for p in prompts]
             per_step, swapped_out = [], []
             while engine.scheduler.has_work:
@@ -278,10 +279,11 @@ def _serve_every_engine_kind_on_the_device(model, w):
                 to_device = [t for t in mode.transfers[first:] if t.direction == "to device"]
                 assert all(t.non_blocking for t in to_device), (name, to_device)
             assert max(n for n, _ in per_step) <= 2, (name, [why for n, why in per_step if n > 2][:1])
-            assert [s.output_ids for s in seqs] == want[name.startswith("preempted")], name
-            if name.startswith("preempted"):
+            if is_exact(name):  # (a quantized cache is held to lesson 10's bound, not to HF's tokens)
+                assert [s.output_ids for s in seqs] == want[short], name
+            if short:
                 assert engine.scheduler.num_preemptions > 0, name
-            assert any(swapped_out) == (name == "preempted (swap)"), name
+            assert any(swapped_out) == (engine.swap_space is not None), name
 
 
 def test_swaps_make_one_copy_each_way_and_restore_every_block(on_device):
@@ -363,7 +365,7 @@ def test_a_refused_step_is_restored_on_the_device_too(on_device):
 
     with discipline():
         for name, engine in engine_kinds(w):
-            if not name.startswith("preempted"):
+            if not is_preempted(name):
                 continue
             seen.clear()
             engine.step_fn = fails_once

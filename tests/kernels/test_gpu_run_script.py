@@ -68,17 +68,19 @@ def on_device():
 
 
 def test_syncs_per_step_counts_each_step_and_sets_swap_outs_apart(on_device):
-    """Three of the nine engine kinds (the budget test in test_gpu_path.py serves all nine through the same
+    """Three of the registry's engine kinds (the budget test in test_gpu_path.py serves all of them through the same
     engine_kinds): a plain one, a Triton one and one that swaps out."""
+    from lesson_utils.lab.engine_kinds import ENGINE_KINDS
+
     model, w = on_device
     prompts = gpu_run._prompts(w.vocab_size, w.bos_token_id)
     with discipline():
         kinds = dict(G.engine_kinds(w))
-        assert len(kinds) == 9
+        assert list(kinds) == [k.name for k in ENGINE_KINDS]
         stats = {n: G.syncs_per_step(n, kinds[n], prompts, 20, G.discipline_sync_counter)
-                 for n in ("paged", "Triton", "preempted (swap)")}  # fmt: skip
+                 for n in ("paged", "Triton decode kernel", "swap")}  # fmt: skip
     assert all(s.max_per_step <= 2 and s.steps >= 20 for s in stats.values()), stats
-    assert stats["preempted (swap)"].swap_out_steps > 0 and stats["paged"].swap_out_steps == 0
+    assert stats["swap"].swap_out_steps > 0 and stats["paged"].swap_out_steps == 0
 
 
 def test_a_step_that_waits_more_is_reported(on_device):

@@ -11,6 +11,7 @@ fp-free rule instead (its values differ by design): every int8 path gives the in
 from __future__ import annotations
 
 import random
+from functools import partial
 
 import pytest
 import torch
@@ -19,10 +20,9 @@ from helpers import hf_greedy, reference_beam_search
 from lesson_utils.cache.dense import DenseKVCache
 from lesson_utils.cache.int8_paged import Int8PagedKVCache
 from lesson_utils.cache.paged import PagedKVCache
-from lesson_utils.cache.triton_paged import TritonPagedKVCache, UnifiedTritonKVCache
-from lesson_utils.core.types import Request
+from lesson_utils.core.types import Request, SlotKind
 from lesson_utils.disagg.handover import hand_over, prefill_engine
-from lesson_utils.memory.block_manager import BlockManager
+from lesson_utils.lab.engine_kinds import engine_kind, engine_kinds
 from lesson_utils.memory.sharing import SharingBlockManager
 from lesson_utils.memory.swap import SwapSpace
 from lesson_utils.model import weights_from_hf
@@ -65,35 +65,22 @@ def _sharing(w, n, caching=True):
 
 
 def _kinds(w):
-    def triton():
-        kv = (w.num_layers, w.num_kv_heads, w.head_dim)
-        return Engine(w, TritonPagedKVCache(*kv, BlockManager(60, 4), dtype=w.dtype))
-
-    return {
-        "paged (gather)": lambda: Engine(w, PagedKVCache.for_model(w, 60, 4)),
-        "paged (batched decode)": lambda: Engine(w, PagedKVCache.for_model(w, 60, 4, batched_decode=True)),
-        "Triton decode kernel": triton,
-        "chunked (unified kernel)": lambda: Engine(
-            w, UnifiedTritonKVCache.for_model(w, 60, 4), chunked_prefill=ChunkedPrefill(6)
-        ),
-        "chunked (gather)": lambda: Engine(w, PagedKVCache.for_model(w, 60, 4), chunked_prefill=ChunkedPrefill(5)),
-        "prefix cache": lambda: Engine(w, PagedKVCache.for_model(w, manager=_sharing(w, 60))),
-        "recompute preemption": lambda: Engine(w, PagedKVCache.for_model(w, 9, 4)),
-        "swap preemption": lambda: Engine(
-            w, PagedKVCache.for_model(w, 9, 4), preemption_mode="swap", swap_space=SwapSpace(60)
-        ),
-        "speculative (prompt lookup, k = 3)": lambda: Engine(
-            w, PagedKVCache.for_model(w, 60, 4), speculation=Speculation(3)
-        ),
-    }
+    """Every exact engine kind of the registry (the int8 ones are held to their own rule below) and speculation, as
+    factories: 60 blocks of 4 (9 for the kinds that preempt), a token budget of 6, requests of at most 24 tokens."""
+    size = dict(num_blocks=60, short_blocks=9, budget=6, max_seq_len=24)
+    kinds = {k.name: partial(k.build, w, **size) for k in engine_kinds(exact=True)}
+    kinds["speculative (prompt lookup, k = 3)"] = partial(
+        engine_kind("paged").build, w, speculation=Speculation(3), **size
+    )
+    return kinds
 
 
-KINDS = list(_kinds(None))
+KINDS = [k.name for k in engine_kinds(exact=True)] + ["speculative (prompt lookup, k = 3)"]
 
 
 def _all_free(engine) -> bool:
-    m = engine.manager
-    return m.num_free_blocks == m.num_blocks
+    m = engine.manager  # (the MemoryManager protocol: paged and contiguous alike)
+    return m.breakdown()[SlotKind.FREE] == m.total_slots
 
 
 def test_the_dense_forward_matches_hf(modern):
@@ -105,7 +92,8 @@ def test_the_dense_forward_matches_hf(modern):
 def test_every_engine_kind_is_token_identical_to_hf(modern, kind):
     _, w, prompts, want = modern
     engine = _kinds(w)[kind]()
-    if "Triton" in kind or "unified" in kind:  # the interpreter runs every program in Python: one 12-token prompt
+    registered = kind if kind in {k.name for k in engine_kinds()} else "paged"
+    if engine_kind(registered).kernels:  # the interpreter runs every program in Python: one 12-token prompt
         prompts, want = prompts[3:4], want[3:4]  # (tests/kernels/test_gqa_kernels.py holds the kernels to more cases)
     if kind == "prefix cache":  # the last request comes after the rest and finds the system prompt's 2 full blocks
         first = engine.generate(prompts[:-1], N_NEW)
@@ -114,7 +102,7 @@ def test_every_engine_kind_is_token_identical_to_hf(modern, kind):
         assert sum(s.prefill_tokens for s in engine.stats) - before == len(prompts[-1]) - 8
     else:
         assert engine.generate(prompts, N_NEW) == want
-    if "preemption" in kind:
+    if engine_kind(registered).short:
         assert engine.scheduler.num_preemptions > 0, "the short cache was meant to preempt"
     assert _all_free(engine)
 

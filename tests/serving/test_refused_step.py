@@ -10,26 +10,22 @@ The same holds when a learner's plan function or step function fails half-way, a
 from __future__ import annotations
 
 import copy
+from functools import partial
 
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from lesson_utils.cache.int8_paged import Int8PagedKVCache
 from lesson_utils.cache.paged import PagedKVCache
 from lesson_utils.cache.quantize import KVQuantError
-from lesson_utils.cache.reserved import ReservedKVCache
-from lesson_utils.cache.triton_paged import TritonPagedKVCache, UnifiedTritonKVCache
 from lesson_utils.core.types import SequenceStatus
+from lesson_utils.lab.engine_kinds import EngineKind, engine_kind, engine_kinds
 from lesson_utils.memory.block_manager import BlockManager
-from lesson_utils.memory.reservation import ContiguousReservationManager
 from lesson_utils.memory.sharing import SharingBlockManager
-from lesson_utils.memory.swap import SwapSpace
 from lesson_utils.serving.engine import Engine
 from lesson_utils.serving.speculative import Speculation
 from lesson_utils.serving.step import serve_step
-from lesson_utils.serving.token_budget import ChunkedPrefill
 
 POISON = 7  # the token id whose embedding row is NaN
 
@@ -44,37 +40,24 @@ def poisoned(tiny):
 
 
 def _kinds(w):
-    """Every engine kind, as a factory of fresh engines (the short-of-memory ones preempt)."""
-    sharing = lambda n, bs=4: SharingBlockManager(n, bs, max_seq_len=w.max_positions)  # noqa: E731
-    return {
-        "paged": lambda: Engine(w, PagedKVCache.for_model(w, 40, 4)),
-        "paged (batched decode)": lambda: Engine(w, PagedKVCache.for_model(w, 40, 4, batched_decode=True)),
-        "Triton": lambda: Engine(
-            w, TritonPagedKVCache(w.num_layers, w.num_kv_heads, w.head_dim, BlockManager(40, 4), dtype=w.dtype)
-        ),
-        "chunked (unified kernel)": lambda: Engine(
-            w, UnifiedTritonKVCache.for_model(w, 40, 4), chunked_prefill=ChunkedPrefill(6)
-        ),
-        "chunked (gather)": lambda: Engine(w, PagedKVCache.for_model(w, 40, 4), chunked_prefill=ChunkedPrefill(6)),
-        "prefix cache": lambda: Engine(w, PagedKVCache.for_model(w, manager=sharing(40))),
-        "prefix cache, short": lambda: Engine(w, PagedKVCache.for_model(w, manager=sharing(9))),
-        "naive": lambda: Engine(
-            w, ReservedKVCache.for_model(w, ContiguousReservationManager(200, "max", max_seq_len=40))
-        ),
-        "recompute": lambda: Engine(w, PagedKVCache.for_model(w, 9, 4)),
-        "swap": lambda: Engine(w, PagedKVCache.for_model(w, 9, 4), preemption_mode="swap", swap_space=SwapSpace(40)),
-        "int8": lambda: Engine(w, Int8PagedKVCache.for_model(w, 40, 4)),
-        "int8, swap": lambda: Engine(
-            w, Int8PagedKVCache.for_model(w, 9, 4), preemption_mode="swap", swap_space=SwapSpace(40)
-        ),
-        "int8 kernels": lambda: Engine(w, Int8PagedKVCache.for_model(w, 40, 4, use_kernels=True)),
-        "forks": lambda: Engine(w, PagedKVCache.for_model(w, manager=sharing(14))),
-        "beams": lambda: Engine(w, PagedKVCache.for_model(w, manager=sharing(60))),
-        "speculative (k = 3)": lambda: Engine(w, PagedKVCache.for_model(w, 40, 4), speculation=Speculation(3)),
-    }
+    """Every registered engine kind, and this test's variants of them (the workload's forks, beams and drafts; int8
+    swapping its scales; the prefix cache short of memory), as factories of fresh engines."""
+    size = dict(num_blocks=40, short_blocks=9, budget=6, swap_blocks=40, max_seq_len=40)
+    kinds = {k.name: partial(k.build, w, **size) for k in engine_kinds()}
+    paged = engine_kind("paged")
+    kinds.update(
+        {
+            "prefix cache, short": partial(engine_kind("prefix cache").build, w, **dict(size, num_blocks=9)),
+            "int8, swap": partial(EngineKind("int8, swap", format="int8", preemption="swap").build, w, **size),
+            "forks": partial(paged.build, w, **dict(size, num_blocks=14), forking=True),
+            "beams": partial(paged.build, w, **dict(size, num_blocks=60), forking=True),
+            "speculative (k = 3)": partial(paged.build, w, **size, speculation=Speculation(3)),
+        }
+    )
+    return kinds
 
 
-SLOW = {"Triton", "chunked (unified kernel)", "int8 kernels"}  # Triton's interpreter: fewer examples
+SLOW = {k.name for k in engine_kinds(kernels=True)}  # Triton's interpreter: fewer examples
 
 
 def fingerprint(engine) -> dict:

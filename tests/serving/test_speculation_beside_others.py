@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import random
+from functools import partial
 
 import pytest
 import torch
@@ -14,16 +15,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy import stats
 
-from lesson_utils.cache.int8_paged import Int8PagedKVCache
 from lesson_utils.cache.paged import PagedKVCache
-from lesson_utils.cache.triton_paged import TritonPagedKVCache, UnifiedTritonKVCache
+from lesson_utils.lab.engine_kinds import engine_kinds
 from lesson_utils.memory.sharing import SharingBlockManager
 from lesson_utils.memory.swap import SwapSpace
 from lesson_utils.model.catalog import random_causal_lm, tiny_config
 from lesson_utils.model.weights import weights_from_hf
 from lesson_utils.serving.engine import Engine
 from lesson_utils.serving.speculative import ProposerError, Speculation, prompt_lookup
-from lesson_utils.serving.token_budget import ChunkedPrefill
 
 MARK = 300  # a prompt's second token: the proposer drafts only for prompts that carry it
 
@@ -33,31 +32,9 @@ def _sharing(w, num_blocks: int, **kw) -> SharingBlockManager:
 
 
 def _forking_kinds(w) -> dict:
-    """Every engine kind that speculates, on a manager that can fork (parallel sampling needs one)."""
-    return {
-        "paged": lambda **kw: Engine(
-            w, PagedKVCache.for_model(w, manager=_sharing(w, 90, enable_prefix_caching=False)), **kw
-        ),
-        "prefix cache": lambda **kw: Engine(w, PagedKVCache.for_model(w, manager=_sharing(w, 90)), **kw),
-        "recompute": lambda **kw: Engine(w, PagedKVCache.for_model(w, manager=_sharing(w, 24)), **kw),
-        "swap": lambda **kw: Engine(
-            w,
-            PagedKVCache.for_model(w, manager=_sharing(w, 24)),
-            preemption_mode="swap",
-            swap_space=SwapSpace(90),
-            **kw,
-        ),
-        "chunked (gather)": lambda **kw: Engine(
-            w, PagedKVCache.for_model(w, manager=_sharing(w, 90)), chunked_prefill=ChunkedPrefill(7), **kw
-        ),
-        "int8": lambda **kw: Engine(w, Int8PagedKVCache.for_model(w, manager=_sharing(w, 90)), **kw),
-        "chunked (unified kernel)": lambda **kw: Engine(
-            w, UnifiedTritonKVCache.for_model(w, manager=_sharing(w, 90)), chunked_prefill=ChunkedPrefill(7), **kw
-        ),
-        "Triton decode kernel": lambda **kw: Engine(
-            w, TritonPagedKVCache(w.num_layers, w.num_kv_heads, w.head_dim, _sharing(w, 90)), **kw
-        ),
-    }
+    """Every paged engine kind of the registry, on a manager that can fork (parallel sampling needs one)."""
+    size = dict(num_blocks=90, short_blocks=24, budget=7, forking=True)
+    return {k.name: partial(k.build, w, **size) for k in engine_kinds(paged=True)}
 
 
 def _drafts_for_marked(ids: list[int], k: int) -> list[int]:
@@ -118,7 +95,7 @@ def _check_beside_speculation(w, kind: str, workload, new: int, k: int) -> None:
 @given(
     seed=st.integers(0, 10**6),
     k=st.integers(1, 4),
-    kind=st.sampled_from(["paged", "prefix cache", "recompute", "swap", "chunked (gather)", "int8"]),
+    kind=st.sampled_from([k.name for k in engine_kinds(paged=True, kernels=False)]),
 )
 def test_parallel_samples_beside_a_speculating_sequence_are_those_of_an_engine_without_it(tiny, seed, k, kind):
     """Random workloads: speculating requests and ``n > 1`` requests (greedy, or sampled with a seed) that arrive while
@@ -129,7 +106,7 @@ def test_parallel_samples_beside_a_speculating_sequence_are_those_of_an_engine_w
     _check_beside_speculation(w, kind, _workload(rng, w.vocab_size, rng.randrange(1, 3), rng.randrange(1, 3)), 8, k)
 
 
-@pytest.mark.parametrize("kind", ["chunked (unified kernel)", "Triton decode kernel"])
+@pytest.mark.parametrize("kind", [k.name for k in engine_kinds(paged=True, kernels=True)])
 def test_parallel_samples_beside_speculation_on_the_kernel_kinds(tiny, kind):
     _, w = tiny
     workload = [(0, [2, MARK, 40, 41, 40, 41], 1, 0.0, None), (1, [2, 9, 10], 2, 0.0, None), (1, [2, 12], 2, 1.0, 5)]

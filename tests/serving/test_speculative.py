@@ -6,18 +6,17 @@ contract (a broken proposer refused naming itself, the engine serving on)."""
 from __future__ import annotations
 
 import random
+from functools import partial
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lesson_utils.cache.int8_paged import Int8PagedKVCache
 from lesson_utils.cache.paged import PagedKVCache
-from lesson_utils.cache.triton_paged import TritonPagedKVCache, UnifiedTritonKVCache
+from lesson_utils.lab.engine_kinds import engine_kind, engine_kinds
 from lesson_utils.memory.block_manager import BlockManager
 from lesson_utils.memory.sharing import SharingBlockManager
-from lesson_utils.memory.swap import SwapSpace
 from lesson_utils.serving.draft_model import DraftModelProposer
 from lesson_utils.serving.engine import Engine
 from lesson_utils.serving.speculative import (
@@ -98,25 +97,12 @@ def _prompts(w, n=4, seed=0):
 
 
 def _kinds(w):
-    sharing = lambda n: SharingBlockManager(n, 4, max_seq_len=w.max_positions)  # noqa: E731
-    return {
-        "paged": lambda **kw: Engine(w, PagedKVCache.for_model(w, 60, 4), **kw),
-        "prefix cache": lambda **kw: Engine(w, PagedKVCache.for_model(w, manager=sharing(60)), **kw),
-        "recompute": lambda **kw: Engine(w, PagedKVCache.for_model(w, 14, 4), **kw),
-        "swap": lambda **kw: Engine(
-            w, PagedKVCache.for_model(w, 14, 4), preemption_mode="swap", swap_space=SwapSpace(60), **kw
-        ),
-        "chunked (gather)": lambda **kw: Engine(
-            w, PagedKVCache.for_model(w, 60, 4), chunked_prefill=ChunkedPrefill(7), **kw
-        ),
-        "chunked (unified kernel)": lambda **kw: Engine(
-            w, UnifiedTritonKVCache.for_model(w, 60, 4), chunked_prefill=ChunkedPrefill(7), **kw
-        ),
-        "Triton decode kernel": lambda **kw: Engine(
-            w, TritonPagedKVCache(w.num_layers, w.num_kv_heads, w.head_dim, BlockManager(60, 4)), **kw
-        ),
-        "int8": lambda **kw: Engine(w, Int8PagedKVCache.for_model(w, 60, 4), **kw),
-    }
+    """Every paged engine kind of the registry, as ``make(**engine_kw)``: 60 blocks of 4 (14 for the kinds that preempt),
+    a token budget of 7 for the chunked ones."""
+    return {k.name: partial(k.build, w, num_blocks=60, short_blocks=14, budget=7) for k in engine_kinds(paged=True)}
+
+
+PAGED_KINDS = [k.name for k in engine_kinds(paged=True)]
 
 
 def _all_free(engine) -> bool:
@@ -124,27 +110,15 @@ def _all_free(engine) -> bool:
     return m.num_free_blocks == m.num_blocks and not m.tables_now()
 
 
-@pytest.mark.parametrize(
-    "kind",
-    [
-        "paged",
-        "prefix cache",
-        "recompute",
-        "swap",
-        "chunked (gather)",
-        "chunked (unified kernel)",
-        "Triton decode kernel",
-        "int8",
-    ],
-)
+@pytest.mark.parametrize("kind", PAGED_KINDS)
 def test_greedy_speculation_gives_the_tokens_of_greedy_decoding(tiny, kind):
     _, w = tiny
-    slow = kind in ("chunked (unified kernel)", "Triton decode kernel")  # Triton's interpreter: a smaller case
+    slow = engine_kind(kind).kernels  # Triton's interpreter: a smaller case
     prompts, new = (_prompts(w, n=2), 8) if slow else (_prompts(w), 14)
     make = _kinds(w)[kind]
     plain = make(stop_at_eos=False)
     want = plain.generate(prompts, new)
-    ks = (4,) if slow else (1, 2, 4, 6) if kind.startswith("chunked") else (1, 2, 4, 8)  # (a budget of 7)
+    ks = (4,) if slow else (1, 2, 4, 6) if engine_kind(kind).chunked else (1, 2, 4, 8)  # (a budget of 7)
     for k in ks:
         engine = make(stop_at_eos=False, speculation=Speculation(k))
         assert engine.generate(prompts, new) == want, (kind, k)
@@ -152,7 +126,7 @@ def test_greedy_speculation_gives_the_tokens_of_greedy_decoding(tiny, kind):
         verified = engine.scheduler.verified
         assert verified and max(d for _, _, d, _ in verified) <= k
         assert sum(a for *_, a in verified) > 0, "no draft was ever accepted: the path under test did not run"
-        if kind in ("recompute", "swap"):
+        if engine_kind(kind).short:
             assert engine.scheduler.num_preemptions > 0
 
 
@@ -269,14 +243,14 @@ def _noisy_oracle(references: list[list[int]], vocab: int, rng: random.Random, r
     seed=st.integers(0, 10**6),
     k=st.integers(1, 6),
     right=st.sampled_from([0.3, 0.7, 0.95]),
-    kind=st.sampled_from(["paged", "prefix cache", "recompute", "swap", "chunked (gather)", "forks"]),
+    kind=st.sampled_from([k.name for k in engine_kinds(paged=True, kernels=False)] + ["forks"]),
 )
 def test_any_accept_lengths_give_greedy_tokens_and_leak_no_block(tiny, seed, k, right, kind):
     _, w = tiny
     rng = random.Random(seed)
     prompts, new = _prompts(w, n=3, seed=seed), 10
     kinds = _kinds(w)
-    kinds["forks"] = lambda **kw: Engine(w, PagedKVCache.for_model(w, manager=SharingBlockManager(30, 4)), **kw)
+    kinds["forks"] = partial(engine_kind("paged").build, w, num_blocks=30, forking=True)
     n = 2 if kind == "forks" else 1
     plain = kinds[kind](stop_at_eos=False)
     firsts = [plain.add_request(p, new, n=n) for p in prompts]
@@ -435,7 +409,7 @@ def test_the_draft_model_run_splits_one_budget_and_checks_identity(tiny):
     assert run.speedup().median > 0
 
 
-@pytest.mark.parametrize("kind", ["prefix cache", "recompute", "swap", "chunked (gather)", "int8"])
+@pytest.mark.parametrize("kind", [k.name for k in engine_kinds(paged=True, kernels=False)])
 def test_a_draft_model_keeps_greedy_identity_on_every_engine_kind(tiny, kind):
     _, w = tiny
     prompts, make = _prompts(w), _kinds(w)[kind]
@@ -445,5 +419,5 @@ def test_a_draft_model_keeps_greedy_identity_on_every_engine_kind(tiny, kind):
         engine = make(stop_at_eos=False, speculation=Speculation(k, draft))
         assert engine.generate(prompts, 12) == want, (kind, k)
         assert _all_free(engine) and not draft.engine.manager.tables_now()
-        if kind in ("recompute", "swap"):
+        if engine_kind(kind).short:
             assert engine.scheduler.num_preemptions > 0
