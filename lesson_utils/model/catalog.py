@@ -84,14 +84,20 @@ def tiny_config(
     max_positions: int = 512,
     tie_word_embeddings: bool = False,
     rope_scaling: dict | None = None,
+    **fields,
 ):
-    """A toy config of a family: 2 layers, 320 ids (the byte tokenizer's 260 fit), weights drawn 10x wider than
-    HF's default (``initializer_range=0.2``) so attention is far from uniform and a wrong K/V changes the tokens."""
+    """A toy config of a family (:mod:`~lesson_utils.model.families`): 2 layers, 320 ids (the byte tokenizer's 260
+    fit), weights drawn 10x wider than HF's default (``initializer_range=0.2``) so attention is far from uniform and a
+    wrong K/V changes the tokens. The family's own ``tiny`` fields apply on top (a field set to None is left out);
+    ``fields`` last."""
     from transformers import AutoConfig
 
-    if model_type == "opt":
+    from lesson_utils.model.families import family
+
+    fam = family(model_type)
+    if fam.forward == "opt":
         return tiny_opt_config()
-    fields = dict(
+    config = dict(
         vocab_size=vocab_size,
         hidden_size=heads * head_dim,
         intermediate_size=2 * heads * head_dim,
@@ -108,10 +114,10 @@ def tiny_config(
         rope_theta=10000.0,
     )
     if rope_scaling is not None:
-        fields["rope_scaling"] = rope_scaling
-    if model_type == "qwen2":
-        fields.pop("head_dim")  # Qwen2's head_dim is hidden_size / heads
-    return AutoConfig.for_model(model_type, **fields)
+        config["rope_scaling"] = rope_scaling
+    config.update(fam.tiny)
+    config.update(fields)
+    return AutoConfig.for_model(model_type, **{k: v for k, v in config.items() if v is not None})
 
 
 def random_causal_lm(config, seed: int = 0, *, spread: bool = False):

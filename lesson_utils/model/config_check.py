@@ -8,9 +8,10 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+from lesson_utils.model.families import FAMILIES, attention_variants_refused, family
 from lesson_utils.model.rope import check_rope
 
-SUPPORTED_MODEL_TYPES = ("opt", "llama", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = tuple(FAMILIES)  # (the registry's: lesson_utils.model.families)
 # The course's kernels keep a [tile, head_dim] K and V tile per program: above 256 a tile of 16 tokens in fp16
 # no longer fits a T4's 64 KiB of shared memory beside its scores (the compile report, lesson 04).
 MAX_HEAD_DIM = 256
@@ -26,9 +27,7 @@ class Geometry(NamedTuple):
 
 def check_config(cfg) -> Geometry:
     """The attention geometry of a supported config, or a ValueError naming the offending field and value."""
-    model_type = getattr(cfg, "model_type", None)
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(f"model_type {model_type!r} is not supported (supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
+    fam = family(getattr(cfg, "model_type", None))
     heads = int(cfg.num_attention_heads)
     kv_heads = int(getattr(cfg, "num_key_value_heads", None) or heads)
     if kv_heads < 1 or heads % kv_heads:
@@ -37,7 +36,10 @@ def check_config(cfg) -> Geometry:
             "grouped-query attention needs every KV head to serve the same number of query heads"
         )
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
-    if model_type == "opt":
+    refused = attention_variants_refused(cfg, fam)
+    if refused:
+        raise ValueError(refused)
+    if fam.forward == "opt":
         if cfg.hidden_size % heads:
             raise ValueError(f"hidden_size={cfg.hidden_size} is not a multiple of num_attention_heads={heads}")
         if cfg.activation_function != "relu":
@@ -50,7 +52,5 @@ def check_config(cfg) -> Geometry:
         )
     if getattr(cfg, "hidden_act", "silu") != "silu":
         raise ValueError(f"hidden_act {cfg.hidden_act!r} is not supported (the SwiGLU MLP here uses 'silu')")
-    if getattr(cfg, "use_sliding_window", False):
-        raise ValueError("use_sliding_window=True is not supported: every layer here attends to the whole context")
     check_rope(cfg)
     return Geometry(heads, kv_heads, head_dim)

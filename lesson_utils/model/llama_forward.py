@@ -30,9 +30,8 @@ import torch.nn.functional as F
 from lesson_utils.cache.seam import KVCache, StepBatch
 from lesson_utils.model.common import Linear, PlacedByEmbeddings, check_positions, ref, select_rows
 from lesson_utils.model.config_check import check_config
+from lesson_utils.model.families import FAMILIES, family
 from lesson_utils.model.rope import Rope, apply_rope
-
-FAMILIES = ("llama", "qwen2", "qwen3")
 
 
 @dataclass
@@ -77,7 +76,7 @@ class LlamaWeights(PlacedByEmbeddings):
     ``OPTWeights``): a cache holds ``num_kv_heads`` heads of ``head_dim`` per token and layer.
     """
 
-    family: str  # "llama", "qwen2" or "qwen3"
+    family: str  # its model_type: "llama", "qwen2", "qwen3" (lesson_utils.model.families)
     embed_tokens: torch.Tensor  # [vocab, hidden]
     layers: list[LlamaLayerWeights]
     norm: RMSNorm
@@ -104,9 +103,11 @@ class LlamaWeights(PlacedByEmbeddings):
         The config is checked first (``config_check.check_config``): an unsupported one is refused, naming the field."""
         cfg = model.config
         geometry = check_config(cfg)
-        if cfg.model_type not in FAMILIES:
-            raise ValueError(f"model_type {cfg.model_type!r} is not a Llama-family model ({', '.join(FAMILIES)})")
-        qwen3 = cfg.model_type == "qwen3"
+        fam = family(cfg.model_type)
+        if fam.forward != "llama":
+            llama_like = [f.model_type for f in FAMILIES.values() if f.forward == "llama"]
+            raise ValueError(f"model_type {cfg.model_type!r} is not a Llama-family model ({', '.join(llama_like)})")
+        qk_norm = fam.qk_norm
         layers = [
             LlamaLayerWeights(
                 input_layernorm=RMSNorm.from_module(layer.input_layernorm),
@@ -114,8 +115,8 @@ class LlamaWeights(PlacedByEmbeddings):
                 k_proj=Linear.from_module(layer.self_attn.k_proj),
                 v_proj=Linear.from_module(layer.self_attn.v_proj),
                 o_proj=Linear.from_module(layer.self_attn.o_proj),
-                q_norm=RMSNorm.from_module(layer.self_attn.q_norm) if qwen3 else None,
-                k_norm=RMSNorm.from_module(layer.self_attn.k_norm) if qwen3 else None,
+                q_norm=RMSNorm.from_module(layer.self_attn.q_norm) if qk_norm else None,
+                k_norm=RMSNorm.from_module(layer.self_attn.k_norm) if qk_norm else None,
                 post_attention_layernorm=RMSNorm.from_module(layer.post_attention_layernorm),
                 gate_proj=Linear.from_module(layer.mlp.gate_proj),
                 up_proj=Linear.from_module(layer.mlp.up_proj),

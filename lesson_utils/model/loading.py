@@ -37,10 +37,10 @@ from lesson_utils.model.catalog import (  # noqa: F401 - tiny_opt_config is re-e
     tiny_opt_config,
 )
 from lesson_utils.model.config_check import check_config
+from lesson_utils.model.families import family
 
 DEFAULT_MODEL = "facebook/opt-125m"
 MODERN_MODEL = "HuggingFaceTB/SmolLM2-135M"  # the modern default: Llama architecture, 9 query heads, 3 KV heads
-FAMILY_NAMES = {"opt": "OPT", "llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3"}
 
 
 class ByteTokenizer:
@@ -114,10 +114,10 @@ def load_model(
     if local_path is not None:
         loaded = _load_from_folder(Path(local_path), quiet=quiet)
     elif profile.name == "ci":
-        family = _family(name)
-        why = f"the ci profile never downloads; a tiny random {FAMILY_NAMES[family]} lets the course run in minutes."
-        source = f"random weights, tiny {FAMILY_NAMES[family]} (ci profile)"
-        loaded = _random_model(tiny_config(family), seed, source, why=why)
+        fam = family(_model_type(name))
+        why = f"the ci profile never downloads; a tiny random {fam.display} lets the course run in minutes."
+        source = f"random weights, tiny {fam.display} (ci profile)"
+        loaded = _random_model(tiny_config(fam.model_type), seed, source, why=why)
     else:
         with busy(f"loading {name} (or building it with random weights)"):
             loaded = _load_from_hub_or_random(name, seed)
@@ -185,12 +185,12 @@ def _load_from_hub_or_random(name: str, seed: int) -> LoadedModel:
                 return _from_pretrained(name, local_files_only=False, source=source)
         except _hub_errors() as e:
             why = f"downloading {name} failed: {type(e).__name__}: {_first_line(e)}"
-    if _family(name) != "opt":  # a modern model the course ships a config for (catalog.SHIPPED)
+    if _model_type(name) != "opt":  # a modern model the course ships a config for (catalog.SHIPPED)
         return _random_model(shipped_config(name), seed, f"random weights, {name} geometry (hub unreachable)", why=why)
     return _random_model(opt125m_config(), seed, "random weights, OPT-125m geometry (hub unreachable)", why=why)
 
 
-def _family(name: str) -> str:
+def _model_type(name: str) -> str:
     """The model_type of a named model the course ships a config for; "opt" for any other name."""
     return shipped_fields(name)["model_type"] if name in SHIPPED else "opt"
 

@@ -13,6 +13,7 @@ import torch
 
 from lesson_utils.cache.seam import KVCache, StepBatch
 from lesson_utils.model.config_check import check_config
+from lesson_utils.model.families import family
 
 
 class ModelWeights(Protocol):
@@ -47,7 +48,7 @@ def weights_from_hf(model) -> ModelWeights:
     ``Qwen3ForCausalLM`` (references to its tensors: nothing is copied). An unsupported config is refused with a
     ValueError naming the field and its value."""
     check_config(model.config)
-    if model.config.model_type == "opt":
+    if family(model.config.model_type).forward == "opt":
         from lesson_utils.model.opt_forward import OPTWeights
 
         return OPTWeights.from_hf(model)
