@@ -102,7 +102,8 @@ class PagedKVCache:
         backend=None,
         kernel_writes: bool | None = None,
     ):
-        self.manager = manager
+        self.manager = manager  # the manager it was sized for: an engine takes it; a step never reads it
+        self.num_blocks, self.block_size = manager.num_blocks, manager.block_size
         self.format = FloatFormat(dtype) if format is None else format
         self.backend = GatherBackend(gather_fn, batched_decode) if backend is None else backend
         self.format.allocate(num_layers, manager.num_blocks, manager.block_size, num_kv_heads, head_dim, device)
@@ -132,10 +133,6 @@ class PagedKVCache:
     @property
     def v_cache(self) -> list[torch.Tensor]:
         return self.format.v_cache
-
-    @property
-    def block_size(self) -> int:
-        return self.manager.block_size
 
     @property
     def slot_tensors(self) -> tuple[SlotTensors, ...]:
@@ -170,21 +167,35 @@ class PagedKVCache:
         """The step's metadata (:mod:`~lesson_utils.cache.paged_metadata`), built once for every layer. Allocates
         nothing: the scheduler reserved every slot this step writes (and made shared blocks writable) before the
         forward pass; a sequence without them is refused."""
-        tables = []
-        for sid, clen in zip(batch.seq_ids, batch.context_lens):
-            table = self.manager.table_of(sid)
-            if table is None or table.num_tokens < clen:
-                have = "no blocks" if table is None else f"slots for {table.num_tokens} tokens"
-                raise ValueError(
-                    f"sequence {sid} holds {have}, but this step writes its tokens up to position {clen - 1}: "
-                    "reserve them first (the memory manager's allocate / append_slot, which the scheduler calls)"
-                )
-            tables.append(table.blocks)
+        tables = self._tables(batch)
         device = self.k_cache[0].device
         batch.meta = build_paged_metadata(
             batch, tables, self.block_size, device, self.metadata_needs, self._slot_mapping
         )
         self.backend.adjust_metadata(batch, device)
+
+    def _tables(self, batch: StepBatch) -> list[list[int]]:
+        """Each sequence's blocks: from the step's plan (``batch.placements``: an engine's step reads no manager), or
+        from the manager when the cache is driven by hand. A sequence without room for this step's tokens is
+        refused: the scheduler reserves every slot a step writes before it runs."""
+        tables = []
+        for i, (sid, clen) in enumerate(zip(batch.seq_ids, batch.context_lens)):
+            if batch.placements is not None:
+                blocks = batch.placements[i].blocks
+                have = "no blocks" if blocks is None else f"slots for {len(blocks) * self.block_size} tokens"
+                room = 0 if blocks is None else len(blocks) * self.block_size
+            else:
+                table = self.manager.table_of(sid)
+                blocks = None if table is None else table.blocks
+                have = "no blocks" if table is None else f"slots for {table.num_tokens} tokens"
+                room = 0 if table is None else table.num_tokens
+            if blocks is None or room < clen:
+                raise ValueError(
+                    f"sequence {sid} holds {have}, but this step writes its tokens up to position {clen - 1}: "
+                    "reserve them first (the memory manager's allocate / append_slot, which the scheduler calls)"
+                )
+            tables.append(list(blocks))
+        return tables
 
     def write(self, layer, batch, k, v):
         self.format.write(layer, batch, k, v, by_kernel=self.kernel_writes)

@@ -1,7 +1,17 @@
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
+from lesson_utils.cache.seam import AttentionMetadata
 from lesson_utils.core.types import NeverFits
 from lesson_utils.memory.reservation import ContiguousReservationManager
+
+
+@dataclass
+class ReservedMetadata(AttentionMetadata):
+    """A step's metadata for the reserved cache: each sequence's first slot (its reservation's start), in batch order."""
+
+    first_slots: list[int] = field(default_factory=list)
 
 
 class ReservedKVCache:
@@ -43,18 +53,19 @@ class ReservedKVCache:
 
     def prepare(self, batch) -> None:
         from lesson_utils.cache.attention import decode_slot_index
-        from lesson_utils.cache.seam import AttentionMetadata, mark_decodes
+        from lesson_utils.cache.seam import mark_decodes
 
-        for sid, clen in zip(batch.seq_ids, batch.context_lens):
-            if clen > self.manager.reserved[sid]:
-                raise NeverFits(f"sequence {sid} needs {clen} slots but reserved {self.manager.reserved[sid]}")
+        places = batch.placements or [self.manager.placement(sid) for sid in batch.seq_ids]  # (by hand: ask)
+        for sid, clen, place in zip(batch.seq_ids, batch.context_lens, places):
+            if clen > place.reserved:
+                raise NeverFits(f"sequence {sid} needs {clen} slots but reserved {place.reserved}")
         decode = mark_decodes(batch, self.batched_decode, self.k.device)
         if decode:  # the same batched decode attention as the paged cache: only where K/V live differs
-            first = [self.manager.start[batch.seq_ids[i]] for i in decode.indices]
+            first = [places[i].first_slot for i in decode.indices]
             ctx = [batch.context_lens[i] for i in decode.indices]
             decode.slot_index = decode_slot_index(first, ctx, None, self.k.device)
-        slots = self._slot_mapping(batch, [self.manager.start[s] for s in batch.seq_ids])
-        batch.meta = AttentionMetadata(slots, decode=decode)
+        slots = self._slot_mapping(batch, [p.first_slot for p in places])
+        batch.meta = ReservedMetadata(slots, decode=decode, first_slots=[p.first_slot for p in places])
 
     def write(self, layer, batch, k, v):
         self.k[layer, batch.meta.slots] = k.to(self.k.dtype)
@@ -68,12 +79,10 @@ class ReservedKVCache:
         out = torch.empty_like(q)
         decode = batch.meta.decode
         skip = set(decode.indices) if decode else set()
-        for i, (sid, start, n, ctx) in enumerate(
-            zip(batch.seq_ids, batch.starts, batch.query_lens, batch.context_lens)
-        ):
+        rows = zip(batch.meta.first_slots, batch.starts, batch.query_lens, batch.context_lens)
+        for i, (first, start, n, ctx) in enumerate(rows):
             if i in skip:
                 continue
-            first = self.manager.start[sid]
             out[start : start + n] = fused_attention_over_context(
                 q[start : start + n], self.k[layer, first : first + ctx], self.v[layer, first : first + ctx], scale
             )

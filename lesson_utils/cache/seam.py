@@ -19,6 +19,7 @@ from typing import Protocol
 import torch
 
 from lesson_utils.core.host_copy import to_device
+from lesson_utils.core.types import Placement
 
 
 @dataclass
@@ -66,6 +67,9 @@ class StepBatch:
     input_ids: torch.Tensor
     positions: torch.Tensor
     meta: AttentionMetadata | None = None  # set by the cache's prepare(), for its own write() and attend()
+    # where each sequence's K/V live, from the step's plan (an engine's step); None when a cache is driven by hand,
+    # and then a managed cache asks its manager
+    placements: list[Placement] | None = None
 
     @property
     def starts(self) -> list[int]:
@@ -84,9 +88,10 @@ class StepBatch:
         return [range(c - q, c) for q, c in zip(self.query_lens, self.context_lens)]
 
     @classmethod
-    def build(cls, seq_ids, new_tokens, context_before, device="cpu") -> "StepBatch":
+    def build(cls, seq_ids, new_tokens, context_before, device="cpu", placements=None) -> "StepBatch":
         """Make a step from each sequence's new token ids and how many tokens it already had cached (ids and
-        positions built on the host and copied without a wait: :mod:`lesson_utils.core.host_copy`)."""
+        positions built on the host and copied without a wait: :mod:`lesson_utils.core.host_copy`); ``placements``
+        (one per sequence) say where their K/V live."""
         if not (len(seq_ids) == len(new_tokens) == len(context_before)):
             raise ValueError("seq_ids, new_tokens and context_before must have the same length")
         ids, pos, qlens, clens = [], [], [], []
@@ -97,12 +102,15 @@ class StepBatch:
             pos.extend(range(before, before + len(toks)))
             qlens.append(len(toks))
             clens.append(before + len(toks))
+        if placements is not None and len(placements) != len(seq_ids):
+            raise ValueError(f"{len(placements)} placements for {len(seq_ids)} sequences")
         return cls(
             seq_ids=list(seq_ids),
             query_lens=qlens,
             context_lens=clens,
             input_ids=to_device(ids, torch.long, device),
             positions=to_device(pos, torch.long, device),
+            placements=None if placements is None else list(placements),
         )
 
 

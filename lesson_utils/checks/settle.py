@@ -41,9 +41,9 @@ class _LogitsRunner(ModelRunner):
         super().__init__(w, cache)
         self.logged: list[tuple[list[int], torch.Tensor]] = []
 
-    def logits(self, seqs, counts=None, rows=None):
-        out = super().logits(seqs, counts, rows)
-        self.logged.append(([s.seq_id for s in seqs], out.float().cpu()))
+    def run_feeds(self, feeds):
+        out = super().run_feeds(feeds)
+        self.logged.append(([f.seq_id for f in feeds], out.float().cpu()))
         return out
 
 
@@ -92,6 +92,7 @@ def _reversed(plan):
         plan,
         scheduled=[plan.scheduled[i] for i in order],
         num_tokens=[plan.num_tokens[i] for i in order],
+        feeds=[plan.feeds[i] for i in order],
         sampling=[i for i, _ in pairs],
         sample_counts=[c for _, c in pairs],
     )

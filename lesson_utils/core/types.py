@@ -197,6 +197,18 @@ class Sequence:
         return list(self.request.prompt_ids or []) + self.output_ids
 
 
+# ---- where a sequence's K/V live, as a step's plan carries it ------------------------------------------
+@dataclass(frozen=True)
+class Placement:
+    """Where one sequence's K/V live, copied out of its memory manager into a step's plan, so the cache reads no
+    manager while the step runs: the physical blocks of its table (paged memory), or the first slot and the length of
+    its reservation (lessons 01-02's contiguous memory)."""
+
+    blocks: tuple[int, ...] | None = None
+    first_slot: int | None = None
+    reserved: int | None = None
+
+
 # ---- the scheduler / memory-manager protocol ----------------------------------------------------------
 class MemoryManager(Protocol):
     """What the scheduler, the engine and the simulator ask of a KV memory manager (contiguous in lesson 02,
@@ -237,6 +249,9 @@ class MemoryManager(Protocol):
     def trim(self, seq_id: int, num_tokens: int) -> None:
         """Lesson 11's rollback: ``seq_id`` keeps its first ``num_tokens`` tokens' slots; memory that only rejected
         draft tokens used goes back (a manager that reserves ahead keeps its reservation)."""
+
+    def placement(self, seq_id: int) -> Placement:
+        """Where ``seq_id``'s K/V live now (its blocks, or its reservation), a copy for the step's plan."""
 
     def free(self, seq_id: int):
         """Sequence ``seq_id`` finished, was aborted or preempted: take all of its memory back (THE release)."""

@@ -5,7 +5,7 @@ flattened into the one forward pass every engine of the course runs.
 scheduled sequence's new tokens laid end to end (their positions), where each new token's K/V go (the slot
 mapping, from the block tables), where each sequence's queries start in the flat batch, how long each context is
 once the step has written, and which flat rows get logits. It changes nothing: the cache's ``prepare`` only reads
-the block tables, which the scheduler has already grown for this step.
+the blocks the plan carries, which the scheduler has already grown for this step.
 """
 
 from __future__ import annotations
@@ -56,8 +56,13 @@ def flatten_plan(plan, cache) -> FlatStep:
     """The runner's view of ``plan`` on ``cache`` (a paged cache whose manager the plan's scheduler uses); call it
     after ``scheduler.schedule`` and before ``runner.execute``."""
     seqs, counts = plan.scheduled, plan.tokens_to_feed()
-    tokens = [s.token_ids[s.num_computed : s.num_computed + n] for s, n in zip(seqs, counts)]
-    batch = StepBatch.build([s.seq_id for s in seqs], tokens, [s.num_computed for s in seqs])
+    feeds = plan.feeds  # what the runner feeds: each sequence's tokens, and where its K/V live (an engine's plan)
+    batch = StepBatch.build(
+        [f.seq_id for f in feeds],
+        [f.token_ids for f in feeds],
+        [f.start for f in feeds],
+        placements=[f.placement for f in feeds],
+    )
     cache.prepare(batch)
     admitted = {id(s) for s in plan.admitted}
     kinds = []

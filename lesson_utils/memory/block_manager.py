@@ -33,7 +33,17 @@ from typing import Callable
 import numpy as np
 
 from lesson_utils.core.state import capture
-from lesson_utils.core.types import FREE, INTERNAL, TOKEN, NeverFits, OutOfBlocks, Sequence, SlotKind, is_int
+from lesson_utils.core.types import (
+    FREE,
+    INTERNAL,
+    TOKEN,
+    NeverFits,
+    OutOfBlocks,
+    Placement,
+    Sequence,
+    SlotKind,
+    is_int,
+)
 from lesson_utils.memory.block_allocator import BlockAllocator
 from lesson_utils.memory.block_table import BlockTable, blocks_needed, grow_block_table
 from lesson_utils.memory.snapshot import BlockSnapshot
@@ -282,6 +292,10 @@ class BlockManager:
         """``seq_id``'s block table, or None when it holds no blocks. A read: blocks change only through this
         manager's methods (the caches read the table's blocks and token count to build a step's slots)."""
         return self.tables.get(seq_id)
+
+    def placement(self, seq_id: int) -> Placement:
+        """``seq_id``'s blocks, copied for a step's plan (the cache reads them there, not here)."""
+        return Placement(blocks=tuple(self.block_table(seq_id)))
 
     def tables_now(self) -> dict[int, tuple[list[int], int]]:
         """Every table as ``(blocks, tokens)``, copied (for pictures, checkers and a failed worker's clean-up)."""

@@ -20,7 +20,7 @@ from __future__ import annotations
 import numpy as np
 
 from lesson_utils.core.state import capture
-from lesson_utils.core.types import FREE, INTERNAL, RESERVED, TOKEN, NeverFits, Sequence, SlotKind
+from lesson_utils.core.types import FREE, INTERNAL, RESERVED, TOKEN, NeverFits, Placement, Sequence, SlotKind
 from lesson_utils.memory.contiguous import FirstFitAllocator
 from lesson_utils.memory.snapshot import MemorySnapshot
 
@@ -117,6 +117,12 @@ class ContiguousReservationManager:
 
     def trim(self, seq_id: int, num_tokens: int) -> None:
         """Nothing to give back: a reservation holds its slots until the request ends."""
+
+    def placement(self, seq_id: int) -> Placement:
+        """``seq_id``'s reservation (its first slot and length), for a step's plan."""
+        if seq_id not in self.start:
+            raise ValueError(f"request {seq_id} holds no reservation (never admitted, or freed already)")
+        return Placement(first_slot=self.start[seq_id], reserved=self.reserved[seq_id])
 
     def free(self, seq_id: int) -> None:
         if seq_id not in self.start:

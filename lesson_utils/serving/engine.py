@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import torch
 
 from lesson_utils.cache.host_blocks import HostBlocks
-from lesson_utils.core.types import Request, Sequence, SequenceStatus, SlotKind, is_int
+from lesson_utils.core.types import MemoryManager, Request, Sequence, SequenceStatus, SlotKind, is_int
 from lesson_utils.model.weights import ModelWeights
 from lesson_utils.serving.beam_search import BeamGroup
 from lesson_utils.serving.checkpoint import StepCheckpoint
@@ -118,14 +118,19 @@ class Engine:
     step_fn: object = serve_step  # lesson 07: a learner's version of serve_step
     speculation: Speculation | None = None  # lesson 11: drafts verified in the step (Speculation(k, propose))
     stats: list[StepStats] = field(default_factory=list)
+    # the memory manager the engine's scheduler decides with (None: the one the cache was sized for). The cache reads
+    # no manager while a step runs: the plan carries each sequence's blocks
+    manager: MemoryManager | None = None
 
     def __post_init__(self):
         # the swap space's data side: CPU copies of every kind the cache keeps per slot (the swap space keeps ids)
         self.host_blocks = (
             HostBlocks.for_cache(self.cache, self.swap_space.num_blocks) if self.swap_space is not None else None
         )
+        if self.manager is None:
+            self.manager = self.cache.manager
         self.scheduler = FCFSScheduler(
-            self.cache.manager,
+            self.manager,
             max_num_seqs=self.max_num_seqs,
             preemption_mode=self.preemption_mode,
             swap_space=self.swap_space,
@@ -133,14 +138,11 @@ class Engine:
             chunked=self.chunked_prefill,
             speculation=self.speculation,
             vocab_size=self.w.vocab_size,
+            plan_feeds=True,
             **self.scheduler_kw,
         )
         self.runner = ModelRunner(self.w, self.cache, self.host_blocks)
         self._step = 0
-
-    @property
-    def manager(self):
-        return self.cache.manager
 
     # ---- requests in ---------------------------------------------------------------------------------
     def _request(self, prompt_ids, max_new_tokens: int, what: str = "prompt") -> Request:

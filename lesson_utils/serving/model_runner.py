@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from itertools import accumulate
 from typing import Callable
 
 import torch
@@ -11,14 +12,15 @@ from lesson_utils.cache.seam import StepBatch
 from lesson_utils.core.host_copy import to_device
 from lesson_utils.core.types import Sequence
 from lesson_utils.model.weights import ModelWeights, forward
-from lesson_utils.serving.output import RunnerOutput, StepPlan
+from lesson_utils.serving.output import RunnerOutput, SeqFeed, StepPlan
 
 
 class ModelRunner:
     """Makes a plan's block copies in the cache, runs the forward pass, and hands back what it computed
     (:class:`~lesson_utils.serving.output.RunnerOutput`): tokens computed per sequence, and the logits rows of the
-    sequences the plan says sample (``plan.sampling``). It changes no sequence: the scheduler's
-    ``update_from_output`` advances the counts and picks the tokens."""
+    sequences the plan says sample (``plan.sampling``). It reads only the plan - each sequence's
+    :class:`~lesson_utils.serving.output.SeqFeed` (tokens, start, where its K/V live) - and changes no sequence: the
+    scheduler's ``update_from_output`` advances the counts and picks the tokens."""
 
     def __init__(self, w: ModelWeights, cache, host_blocks: HostBlocks | None = None):
         self.w, self.cache, self.host_blocks = w, cache, host_blocks  # host_blocks: the swap space's data
@@ -27,23 +29,35 @@ class ModelRunner:
 
     def execute(self, plan: StepPlan) -> RunnerOutput:
         self.apply(plan)
-        seqs, counts = plan.scheduled, plan.tokens_to_feed()
-        if not seqs:
+        if not plan.scheduled:
             return RunnerOutput([], None)
-        ready = plan.sampling  # the scheduler decided who samples (a prompt chunk that stops short does not)
-        if any(n > 1 for n in plan.sample_counts):  # lesson 11: a verifying sequence's rows, one per drafted position
-            rows_of = [1] * len(seqs)
-            for i, n in zip(ready, plan.sample_counts):
-                rows_of[i] = n
-            logits = self.logits(seqs, counts, rows_of)
-            first = [sum(rows_of[:i]) for i in range(len(seqs))]
-            keep = [r for i in ready for r in range(first[i], first[i] + rows_of[i])]
-        else:
-            logits = self.logits(seqs, counts)
-            keep = ready
+        if len(plan.feeds) != len(plan.scheduled):
+            raise ValueError(
+                f"the plan feeds {len(plan.feeds)} of its {len(plan.scheduled)} sequences: a model runner needs an "
+                "engine's plan (FCFSScheduler(plan_feeds=True)), which says what to feed each of them"
+            )
+        return RunnerOutput([len(f.token_ids) for f in plan.feeds], self.run_feeds(plan.feeds))
+
+    def run_feeds(self, feeds: list[SeqFeed]) -> torch.Tensor:
+        """One forward pass over ``feeds``; the logits rows every feed asks for (its last ``logits_rows`` fed tokens), in
+        order: ``[sum(logits_rows), vocab]``."""
+        if self.before_writes is not None:
+            self.before_writes()
+        device = self.w.embed_tokens.device
+        batch = StepBatch.build(
+            [f.seq_id for f in feeds],
+            [f.token_ids for f in feeds],
+            [f.start for f in feeds],
+            device=device,
+            placements=[f.placement for f in feeds],
+        )
+        rows = [max(1, f.logits_rows) for f in feeds]
+        logits = forward(self.w, batch, self.cache, last_only=True, last_n=rows if any(r > 1 for r in rows) else None)
+        first = list(accumulate(rows, initial=0))
+        keep = [r for f, at in zip(feeds, first) for r in range(at, at + f.logits_rows)]
         if len(keep) < logits.shape[0]:
             logits = logits[to_device(keep, torch.long, logits.device)] if keep else logits[:0]
-        return RunnerOutput(counts, logits)
+        return logits
 
     def apply(self, plan: StepPlan) -> None:
         """The plan's block copies, before the forward pass: swap-ins, swap-outs, then copy-on-write copies
@@ -59,14 +73,22 @@ class ModelRunner:
     def logits(
         self, seqs: list[Sequence], counts: list[int] | None = None, rows: list[int] | None = None
     ) -> torch.Tensor:
-        """Feed every sequence its next ``counts[i]`` uncomputed tokens (default: all of them; a draft's tokens come
-        after its newest one); the logits of each one's last fed token, or of its last ``rows[i]`` fed tokens. The
-        sequences are not changed."""
-        if self.before_writes is not None:
-            self.before_writes()
-        device = self.w.embed_tokens.device
+        """Feed every sequence (live, outside a step: lessons and measurements) its next ``counts[i]`` uncomputed tokens
+        (default: all of them; a draft's tokens come after its newest one); the logits of each one's last fed token, or
+        of its last ``rows[i]`` fed tokens. Where its K/V live is asked of the cache's manager now. The sequences are
+        not changed."""
         if counts is None:
             counts = [len(s.token_ids) + len(s.draft) - s.num_computed for s in seqs]
-        tokens = [(seq.token_ids + seq.draft)[seq.num_computed : seq.num_computed + n] for seq, n in zip(seqs, counts)]
-        batch = StepBatch.build([s.seq_id for s in seqs], tokens, [s.num_computed for s in seqs], device=device)
-        return forward(self.w, batch, self.cache, last_only=True, last_n=rows)
+        rows = rows or [1] * len(seqs)
+        feeds = [
+            SeqFeed(
+                s.seq_id,
+                tuple((s.token_ids + s.draft)[s.num_computed : s.num_computed + n]),
+                s.num_computed,
+                self.cache.manager.placement(s.seq_id),
+                tuple(s.draft),
+                r,
+            )
+            for s, n, r in zip(seqs, counts, rows)
+        ]
+        return self.run_feeds(feeds)

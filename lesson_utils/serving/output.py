@@ -1,7 +1,10 @@
 """What one step hands from part to part, typed both ways (vLLM v1's ``SchedulerOutput`` / ``ModelRunnerOutput``).
 
 * :class:`StepPlan` - the scheduler's decisions, handed to the runner: who runs and how many tokens each feeds,
-  and the block copies to make first;
+  and the block copies to make first. An engine's plan also carries, per scheduled sequence, everything the runner
+  and the cache need (:class:`SeqFeed`: the token ids to feed, drafts included, and where its K/V live), copied out
+  of the scheduler's state when the plan is made: the runner and the cache read nothing live, so the plan is a
+  message another process could execute;
 * :class:`RunnerOutput` - the runner's result, handed back to the scheduler's ``update_from_output``: how many
   tokens it computed per sequence, and the logits rows of the sequences the plan says sample (``plan.sampling``).
 
@@ -15,7 +18,23 @@ from dataclasses import dataclass, field
 
 import torch
 
-from lesson_utils.core.types import Sequence
+from lesson_utils.core.types import Placement, Sequence
+
+
+@dataclass(frozen=True)
+class SeqFeed:
+    """What the runner feeds one scheduled sequence this step. ``token_ids``: the tokens to feed - a prompt or a chunk
+    of it, or the newest token then the drafts to verify; ``start``: the position of the first (the tokens already
+    computed); ``placement``: where its K/V live (its blocks, or its reservation); ``draft``: the drafted tokens among
+    ``token_ids`` (the last ``len(draft)``); ``logits_rows``: the rows of logits it wants back - its last
+    ``logits_rows`` fed tokens (1 + its drafts when it samples, 0 when a prompt chunk stops short)."""
+
+    seq_id: int
+    token_ids: tuple[int, ...]
+    start: int
+    placement: Placement
+    draft: tuple[int, ...] = ()
+    logits_rows: int = 0
 
 
 @dataclass
@@ -37,6 +56,8 @@ class StepPlan:
     sampling: list[int] = field(default_factory=list)
     sample_counts: list[int] = field(default_factory=list)
     held_slots: int = 0  # slots held or reserved once room was made, before the step runs (lookahead included)
+    # per scheduled sequence, in order, what the model runner feeds (an engine's plan; a simulation's has none)
+    feeds: list[SeqFeed] = field(default_factory=list)
 
     def tokens_to_feed(self) -> list[int]:
         """How many tokens each scheduled sequence feeds this step."""

@@ -17,7 +17,7 @@ from collections import deque
 from typing import Callable
 
 from lesson_utils.core.types import MemoryManager, OutOfBlocks, Sequence, SequenceStatus, SlotKind, is_int
-from lesson_utils.serving.output import StepPlan
+from lesson_utils.serving.output import SeqFeed, StepPlan
 from lesson_utils.serving.preemption import (
     PreemptionEvent,
     checked_victim,
@@ -68,6 +68,7 @@ class FCFSScheduler(SettlesSteps):
         hold_finished: bool = False,
         speculation: Speculation | None = None,
         vocab_size: int | None = None,
+        plan_feeds: bool = False,
     ):
         if preemption_mode not in ("recompute", "swap"):
             raise ValueError(f"preemption_mode is 'recompute' or 'swap', got {preemption_mode!r}")
@@ -107,6 +108,8 @@ class FCFSScheduler(SettlesSteps):
         self.speculation = speculation  # lesson 11: drafts verified in the step (None: one token per decode)
         _positive(vocab_size, "vocab_size")
         self.vocab_size = vocab_size  # the verifying model's vocabulary: a draft's ids must be in it (None: unchecked)
+        # an engine's plans carry what the model runner feeds (SeqFeed); a simulation's, counts only
+        self.plan_feeds = plan_feeds
         self.verified: list[tuple[int, int, int, int]] = []  # (step, seq_id, drafted, accepted) per verification
         self.events: list[PreemptionEvent] = []
         self.observe: Callable[[StepPlan], None] | None = None  # the simulator's hook: after the tokens, before frees
@@ -238,6 +241,7 @@ class FCFSScheduler(SettlesSteps):
         kept = [(s, c.start, min(c.end, s.len + len(s.draft))) for s, c in zip(seqs, chunks) if id(s) in running]
         # all its tokens computed (a verifying sequence's drafts too): tokens are due, one per fed position
         sampling = [i for i, (s, _, end) in enumerate(kept) if end == s.len + len(s.draft)]
+        feeds = self._feeds(kept, set(sampling)) if self.plan_feeds else []
         return StepPlan(
             step,
             [s for s, _, _ in kept],
@@ -251,7 +255,26 @@ class FCFSScheduler(SettlesSteps):
             sampling,
             [1 + len(kept[i][0].draft) for i in sampling],
             self._held_slots(),
+            feeds,
         )
+
+    def _feeds(self, kept: list[tuple[Sequence, int, int]], sampling: set[int]) -> list[SeqFeed]:
+        """What the runner feeds each scheduled sequence (tokens ``start .. end - 1`` of its tokens and drafts), and
+        where its K/V live - copied now, so the runner and the cache read nothing live while the step runs."""
+        feeds = []
+        for i, (s, start, end) in enumerate(kept):
+            tokens = s.token_ids + s.draft
+            feeds.append(
+                SeqFeed(
+                    s.seq_id,
+                    tuple(tokens[start:end]),
+                    start,
+                    self.manager.placement(s.seq_id),
+                    tuple(s.draft),
+                    1 + len(s.draft) if i in sampling else 0,
+                )
+            )
+        return feeds
 
     def _held_slots(self) -> int:
         """Slots the memory manager holds or reserves now (every kind but free)."""

@@ -129,15 +129,13 @@ class SwapSpy:
 def count_batched_tokens(engine: Engine) -> list[tuple[int, int]]:
     """Record (tokens fed, sequences) of every forward step (prefill + decode), by wrapping the runner."""
     fed: list[tuple[int, int]] = []
-    logits = engine.runner.logits
+    run_feeds = engine.runner.run_feeds
 
-    def spy(seqs, counts=None):
-        fed.append(
-            (sum(counts) if counts is not None else sum(len(s.token_ids) - s.num_computed for s in seqs), len(seqs))
-        )
-        return logits(seqs, counts)
+    def spy(feeds):
+        fed.append((sum(len(f.token_ids) for f in feeds), len(feeds)))
+        return run_feeds(feeds)
 
-    engine.runner.logits = spy
+    engine.runner.run_feeds = spy
     return fed
 
 
