@@ -17,8 +17,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from lesson_utils.cache.backends import DecodeKernelBackend, GatherBackend, UnifiedKernelBackend
-from lesson_utils.cache.formats import FloatFormat
-from lesson_utils.cache.int8_paged import Int8PagedKVCache
+from lesson_utils.cache.formats import FloatFormat, Int8Format
 from lesson_utils.cache.paged import PagedKVCache
 from lesson_utils.cache.reserved import ReservedKVCache
 from lesson_utils.core.device_discipline import acts_as_gpu
@@ -36,7 +35,12 @@ BACKENDS: dict[str, Callable[[], object]] = {
     "decode kernel": DecodeKernelBackend,
     "unified kernel": UnifiedKernelBackend,
 }
-FORMATS = ("fp", "int8")
+# a storage format by name, for a model's weights ``w`` (its dtype; an int8 cache's per-layer NaN check would be a
+# sync per layer on a GPU: off there, where a NaN is refused when the logits are read)
+FORMATS: dict[str, Callable] = {
+    "fp": lambda w: FloatFormat(w.dtype),
+    "int8": lambda w: Int8Format(w.dtype, check_finite=not acts_as_gpu(w.device)),
+}
 MEMORY = ("paged", "prefix cache", "contiguous")
 PREEMPTION = (None, "recompute", "swap")
 
@@ -58,7 +62,7 @@ class EngineKind:
         problems = [
             (what, value, allowed)
             for what, value, allowed in (
-                ("format", self.format, FORMATS),
+                ("format", self.format, tuple(FORMATS)),
                 ("backend", self.backend, tuple(BACKENDS)),
                 ("memory", self.memory, MEMORY),
                 ("preemption", self.preemption, PREEMPTION),
@@ -106,13 +110,9 @@ class EngineKind:
         """Its cache on ``manager``, on ``w``'s device and in its dtype."""
         if self.memory == "contiguous":
             return ReservedKVCache.for_model(w, manager)
-        backend = BACKENDS[self.backend]()
-        if self.format == "int8":  # (its per-layer NaN check would be a sync per layer on a GPU: off there)
-            check = not acts_as_gpu(w.device)
-            return Int8PagedKVCache.for_model(
-                w, manager=manager, use_kernels=self.kernels, backend=backend, check_finite=check
-            )
-        return PagedKVCache.for_model(w, manager=manager, format=FloatFormat(w.dtype), backend=backend)
+        return PagedKVCache.for_model(
+            w, manager=manager, format=FORMATS[self.format](w), backend=BACKENDS[self.backend]()
+        )
 
     def build(
         self,
