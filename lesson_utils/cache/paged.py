@@ -103,10 +103,12 @@ class PagedKVCache:
         kernel_writes: bool | None = None,
     ):
         self.manager = manager  # the manager it was sized for: an engine takes it; a step never reads it
-        self.num_blocks, self.block_size = manager.num_blocks, manager.block_size
+        self.num_blocks, self.block_size = manager.view.num_blocks, manager.view.block_size
         self.format = FloatFormat(dtype) if format is None else format
         self.backend = GatherBackend(gather_fn, batched_decode) if backend is None else backend
-        self.format.allocate(num_layers, manager.num_blocks, manager.block_size, num_kv_heads, head_dim, device)
+        self.format.allocate(
+            num_layers, manager.view.num_blocks, manager.view.block_size, num_kv_heads, head_dim, device
+        )
         self.backend.bind(acts_as_gpu(device))
         self.kernel_writes = self.backend.kernel_writes if kernel_writes is None else kernel_writes
         self._slot_mapping = slot_mapping_fn
@@ -185,7 +187,7 @@ class PagedKVCache:
                 have = "no blocks" if blocks is None else f"slots for {len(blocks) * self.block_size} tokens"
                 room = 0 if blocks is None else len(blocks) * self.block_size
             else:
-                table = self.manager.table_of(sid)
+                table = self.manager.view.table_of(sid)
                 blocks = None if table is None else table.blocks
                 have = "no blocks" if table is None else f"slots for {table.num_tokens} tokens"
                 room = 0 if table is None else table.num_tokens

@@ -36,7 +36,7 @@ class ReservedKVCache:
         from lesson_utils.core.device_discipline import acts_as_gpu
 
         self.manager = manager
-        shape = (num_layers, manager.total_slots, num_kv_heads, head_dim)
+        shape = (num_layers, manager.view.total_slots, num_kv_heads, head_dim)
         self.k = torch.zeros(shape, dtype=dtype or torch.float32, device=device)
         self.v = torch.zeros_like(self.k)
         self.k_cache = [self.k[i] for i in range(num_layers)]  # per-layer views (what a swap space would mirror)
@@ -91,6 +91,21 @@ class ReservedKVCache:
                 q[decode.rows], self.k[layer], self.v[layer], decode.slot_index, decode.context_lens, scale
             )
         return out
+
+    # ---- the serving door's block members (cache.seam.ServingCache): contiguous memory has no blocks -----------
+    slot_tensors: tuple = ()  # nothing moves block by block here
+
+    def _no_blocks(self, *args) -> None:
+        raise ValueError(
+            "a reserved (contiguous) cache keeps no blocks: copy-on-write, swapping and the hand-over need a paged cache"
+        )
+
+    copy_block = swap_out = swap_in = restore_blocks = _no_blocks
+
+    def save_blocks(self, blocks: list[int]) -> list:
+        if blocks:
+            self._no_blocks()
+        return []
 
     def free(self, seq_id: int) -> None:
         """The scheduler frees reservations through the manager; nothing to do here."""

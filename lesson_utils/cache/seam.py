@@ -132,6 +132,36 @@ class KVCache(Protocol):
         """Forget a finished sequence and give its memory back."""
 
 
+class ServingCache(KVCache, Protocol):
+    """What an engine, its model runner, its step checkpoint and lesson 09's hand-over need of a cache besides the
+    model's four members - the whole door, checked by ``tests/core/test_architecture.py``. A paged cache
+    (:class:`~lesson_utils.cache.paged.PagedKVCache` and its presets) has all of it; lessons 01-02's reserved cache
+    keeps no blocks, so a block member is never asked of it (no copy, swap or protected block is ever planned there)
+    and refuses by name if it is."""
+
+    manager: object  # the memory manager it was sized for (core.types.MemoryManager); an engine decides with it
+
+    @property
+    def slot_tensors(self) -> tuple:
+        """Everything it keeps per slot (``core.types.SlotTensors``: K/V, an int8 cache's scales): every path that
+        moves blocks - copy-on-write, swap, a refused step's restore, the hand-over - moves each of these."""
+
+    def copy_block(self, src: int, dst: int) -> None:
+        """Copy one block's contents, every kind and layer (copy-on-write)."""
+
+    def swap_out(self, copies: list[tuple[int, int]], host) -> None:
+        """Copy ``(gpu, cpu)`` blocks into the swap space's data (lesson 06)."""
+
+    def swap_in(self, copies: list[tuple[int, int]], host) -> None:
+        """Copy ``(cpu, gpu)`` blocks back from the swap space's data (lesson 06)."""
+
+    def save_blocks(self, blocks: list[int]) -> list[torch.Tensor]:
+        """A copy of ``blocks``' contents (a step about to overwrite them keeps it)."""
+
+    def restore_blocks(self, blocks: list[int], saved: list[torch.Tensor]) -> None:
+        """Put :meth:`save_blocks`'s copy back (a refused step)."""
+
+
 def mark_decodes(batch: StepBatch, enabled: bool, device) -> DecodeGroup | None:
     """The sequences of ``batch`` that decode one token this step, to serve all at once (None when there are
     none, or when not ``enabled``). A cache calls it in ``prepare``; ``attend`` then serves the other

@@ -29,37 +29,42 @@ class _Spinning(Exception):
 
 
 class _WatchedManager(BlockManager):
-    """A block manager whose free count stops a loop that keeps reading it without ever decoding."""
+    """A block manager whose free count stops a loop that keeps reading it without ever decoding (the count of
+    reads and the deadline start when the learner's code gets the engine)."""
 
-    reads = 0
-    deadline = float("inf")
+    _reads = 0
+    _deadline = float("inf")
 
     @property
     def num_free_blocks(self) -> int:
-        self.reads += 1
-        if self.reads > MAX_READS:
+        self._reads += 1
+        if self._reads > MAX_READS:
             raise _Spinning(f"your loop read the free-block count {MAX_READS} times")
-        if time.monotonic() > self.deadline:
+        if time.monotonic() > self._deadline:
             raise _Spinning(f"your make_room was still waiting after {MAX_WAIT_S:.0f} s")
         return super().num_free_blocks
 
-    def free_now(self) -> int:
-        """The free count, for the checker itself (not counted)."""
-        return super().num_free_blocks
+    def _start_watching(self) -> None:
+        self._reads, self._deadline = 0, time.monotonic() + MAX_WAIT_S
+
+
+def _free_now(engine) -> int:
+    """The decode side's free blocks, for the checker itself (not counted as a read)."""
+    return len(engine.manager.view.free_queue())
 
 
 def _engine(w, lengths: list[tuple[int, int]], held: int = 0):
     """A decode engine (blocks of 4) running one request per ``(prompt tokens, new tokens)``, prefilled; ``held``
     blocks are taken by a table no running request owns (a transfer being adopted, say)."""
-    manager = _WatchedManager(NUM_BLOCKS, 4, watermark=0.0, max_seq_len=w.max_positions)
-    engine = Engine(w, PagedKVCache.for_model(w, manager=manager), stop_at_eos=False)
+    watched = _WatchedManager(NUM_BLOCKS, 4, watermark=0.0, max_seq_len=w.max_positions)
+    engine = Engine(w, PagedKVCache.for_model(w, manager=watched), stop_at_eos=False)
     g = torch.Generator().manual_seed(9)
     for prompt, new in lengths:
         engine.add_request(torch.randint(4, w.vocab_size, (prompt,), generator=g).tolist(), new)
     while engine.scheduler.waiting:
         engine.step()
     if held:
-        manager.ensure_capacity(999, 4 * held)
+        watched.blocks.reserve(999, 4 * held)
     steps = []
     real_step = engine.step
 
@@ -70,7 +75,7 @@ def _engine(w, lengths: list[tuple[int, int]], held: int = 0):
         return real_step()
 
     engine.step = counted_step
-    manager.reads, manager.deadline = 0, time.monotonic() + MAX_WAIT_S
+    watched._start_watching()  # the checker's own manager: from here on, the learner's reads count
     return engine, steps
 
 
@@ -134,7 +139,7 @@ def check_make_room(fn, w) -> CheckResult:
     with busy("checking your make_room on a small decode engine"):
         for what, lengths, held, extra in _CASES:
             ref_engine, ref_steps = _engine(w, lengths, held)
-            need = ref_engine.manager.free_now() + extra
+            need = _free_now(ref_engine) + extra
             want = sorted(s.seq_id for s in make_room(ref_engine, need))
             engine, steps = _engine(w, lengths, held)
             try:
@@ -152,7 +157,7 @@ def check_make_room(fn, w) -> CheckResult:
                 return failed(
                     name, f"{what} ({need} blocks needed): your make_room raised {type(err).__name__}: {err}", make_room
                 )
-            free = engine.manager.free_now()
+            free = _free_now(engine)
             if len(steps) != len(ref_steps) or free < need:
                 return failed(
                     name,

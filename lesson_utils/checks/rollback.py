@@ -73,22 +73,22 @@ def _settled(manager, seq) -> dict:
         "num_computed": seq.num_computed,
     }
     try:
-        manager.check_invariants()
+        manager.view.check_invariants()
         out["invariants"] = None
     except AssertionError as e:
         out["invariants"] = str(e)
-    table = manager.table_of(seq.seq_id)
+    table = manager.view.table_of(seq.seq_id)
     # a finished sequence's table is freed whole next, trimmed or not
     out["table"] = None if table is None or seq.is_finished else (list(table.blocks), table.num_tokens)
-    sibling = manager.table_of(2)
+    sibling = manager.view.table_of(2)
     out["sibling"] = None if sibling is None else (list(sibling.blocks), sibling.num_tokens)
     if out["invariants"] is None and table is not None:
         manager.cache_computed(seq)  # what update_from_output does next
         if seq.is_finished:
             manager.free(seq.seq_id)
     out["free"] = manager.num_free_blocks
-    out["refs"] = list(manager.pool.ref_count)
-    out["prefix cache"] = dict(manager.pool.hash_of)
+    out["refs"] = [manager.view.ref_count(b) for b in range(manager.view.num_blocks)]
+    out["prefix cache"] = manager.view.cached_blocks()
     return out
 
 

@@ -210,28 +210,45 @@ class Placement:
 
 
 # ---- the scheduler / memory-manager protocol ----------------------------------------------------------
-class MemoryManager(Protocol):
-    """What the scheduler, the engine and the simulator ask of a KV memory manager (contiguous in lesson 02,
-    paged in lesson 03, sharing in lesson 05). Every manager has every member: one that has nothing to do
-    for a hook does nothing (no ``getattr`` probing by its callers)."""
+class AccountingView(Protocol):
+    """The read-only accounting a memory manager shows (``manager.view``: ``lesson_utils.memory.doors.ManagerView``):
+    what the engine records, the simulator plots and the lessons read. The members serving/ reads are these."""
 
-    total_slots: int
     name: str
-    watermark_blocks: int  # free blocks kept back from admission (0 where there are no blocks)
+    total_slots: int
     can_fork: bool  # True where sequences can share blocks (fork for parallel sampling and beam search)
+
+    def breakdown(self) -> dict[str, int]:
+        """Slots by kind: token states, reserved, internal fragmentation, free (sums to total_slots)."""
+
+    def slot_kinds(self):
+        """Every slot's kind, for memory maps (a numpy array)."""
+
+    def external_fragmentation(self) -> float:
+        """How scattered free memory is (nan where it cannot be: paged memory has no holes)."""
+
+    def sharing(self) -> tuple[int, int]:
+        """Blocks the tables would hold without sharing, and distinct blocks held."""
+
+    def block_is_free(self, block_id: int) -> bool:
+        """(Block managers) Whether ``block_id`` is free now (a swap's moves forget blocks that were freed)."""
+
+
+class MemoryManager(Protocol):
+    """The scheduler's door to a KV memory manager (contiguous in lesson 02, paged in lesson 03, sharing in lesson 05):
+    what the scheduler, the engine and the simulator ask of it. Every manager has every member: one that has nothing
+    to do for a hook does nothing (no ``getattr`` probing by its callers). Its accounting is behind ``view`` (read-
+    only); a block manager's single-block door for the swap space and the hand-over is ``blocks``."""
+
+    watermark_blocks: int  # free blocks kept back from admission (0 where there are no blocks)
 
     @property
     def num_free_blocks(self) -> int | None:
         """Free blocks now; None for a manager without blocks (contiguous reservations)."""
 
-    def cache_computed(self, seq: Sequence) -> None:
-        """After a forward pass: register ``seq``'s full, computed blocks in the prefix cache (if any)."""
-
-    def external_fragmentation(self) -> float:
-        """How scattered free memory is (nan where it cannot be: paged memory has no holes)."""
-
-    def slot_kinds(self):
-        """Every slot's kind, for memory maps (a numpy array), or None where not recorded."""
+    @property
+    def view(self) -> AccountingView:
+        """The accounting, read-only."""
 
     def check_admissible(self, seq: Sequence) -> None:
         """Raise ``NeverFits`` if ``seq`` could not run even in an empty cache."""
@@ -256,21 +273,15 @@ class MemoryManager(Protocol):
     def free(self, seq_id: int):
         """Sequence ``seq_id`` finished, was aborted or preempted: take all of its memory back (THE release)."""
 
-    def block_is_free(self, block_id: int) -> bool:
-        """(Block managers) Whether ``block_id`` is free now (a swap's moves forget blocks that were freed)."""
+    def cache_computed(self, seq: Sequence) -> None:
+        """After a forward pass: register ``seq``'s full, computed blocks in the prefix cache (if any)."""
 
     def pop_copies(self) -> list[tuple[int, int]]:
         """Block copies ``(src, dst)`` this step's reservations need before its writes (copy-on-write of
         shared blocks), handed over once; ``[]`` where nothing is shared."""
 
     def fork(self, parent_id: int, child_id: int) -> None:
-        """(``can_fork`` managers) Give ``child_id`` the parent's blocks, shared, without copying."""
-
-    def sharing(self) -> tuple[int, int]:
-        """(``can_fork`` managers) Blocks the tables would hold without sharing, and distinct blocks held."""
-
-    def breakdown(self) -> dict[str, int]:
-        """Slots by kind: token states, reserved, internal fragmentation, free (sums to total_slots)."""
+        """(Sharing managers: ``view.can_fork``) Give ``child_id`` the parent's blocks, shared, without copying."""
 
     def snapshot(self):
         """Its whole state now, to put back with ``.restore()`` if the step under way is refused; the snapshot's

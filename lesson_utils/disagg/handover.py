@@ -59,7 +59,7 @@ def _payloads(payload, kinds) -> list[torch.Tensor]:
 
 
 def _adopt(manager, seq_id: int, blocks: list[int], num_tokens: int):
-    return manager.adopt(seq_id, blocks, num_tokens)
+    return manager.blocks.adopt(seq_id, blocks, num_tokens)
 
 
 def make_room(engine, num_blocks: int, on_step: Callable | None = None) -> list[Sequence]:
@@ -69,9 +69,9 @@ def make_room(engine, num_blocks: int, on_step: Callable | None = None) -> list[
     never fit (more blocks than the cache has) is refused with a ``ValueError`` before any step; with nothing left
     to decode no block can come free, so a shortfall then is an ``OutOfBlocks``, not a wait without end."""
     manager = engine.manager
-    if num_blocks > manager.num_blocks:
+    if num_blocks > manager.view.num_blocks:
         raise ValueError(
-            f"a transfer of {num_blocks} blocks can never fit this decode cache of {manager.num_blocks} blocks"
+            f"a transfer of {num_blocks} blocks can never fit this decode cache of {manager.view.num_blocks} blocks"
         )
     finished: list[Sequence] = []
     while manager.num_free_blocks < num_blocks:
@@ -120,7 +120,9 @@ def prefill_request(engine: Engine, request: Request) -> Prefilled:
             scheduler.abort(seq)
         raise
     manager = engine.manager
-    blocks = list(manager.block_table(request.req_id)[: blocks_needed(request.prompt_len, manager.block_size)])
+    blocks = list(
+        manager.view.block_table(request.req_id)[: blocks_needed(request.prompt_len, manager.view.block_size)]
+    )
     return Prefilled(request, seq.output_ids[0], blocks)
 
 
@@ -151,7 +153,12 @@ def receive(
     payloads = _payloads(payload, cache.slot_tensors)
     make_room_fn(engine, len(prefilled.blocks))
     plan = plan_fn(
-        req.req_id, prefilled.blocks, req.prompt_len, manager.block_size, manager.allocate_block, manager.free_block
+        req.req_id,
+        prefilled.blocks,
+        req.prompt_len,
+        manager.view.block_size,
+        manager.blocks.allocate_block,
+        manager.blocks.free_block,
     )
     try:
         for kind, packed in zip(cache.slot_tensors, payloads):
@@ -159,11 +166,11 @@ def receive(
         adopt_fn(manager, req.req_id, plan.dst_blocks, req.prompt_len)
         engine.scheduler.add_running(seq)
     except BaseException:
-        if manager.table_of(req.req_id) is not None:
+        if manager.view.table_of(req.req_id) is not None:
             manager.free(req.req_id)
         else:
             for b in plan.dst_blocks:
-                manager.free_block(b)
+                manager.blocks.free_block(b)
         raise
     return seq
 

@@ -106,7 +106,7 @@ def _warm_up_prefill(cfg: DisaggConfig, engine, results) -> None:
     t = time.perf_counter()
     prompt = _warmup_prompt(engine.w, cfg)
     done = prefill_request(engine, Request(-2, 0.0, len(prompt), 1, prompt_ids=prompt))
-    _to_host(pack_blocks(engine.cache.k_cache, engine.cache.v_cache, done.blocks))
+    _to_host(pack_blocks(engine.cache.slot_tensors[0].k, engine.cache.slot_tensors[0].v, done.blocks))
     engine.scheduler.release(-2)
     results.put(("warmed", "prefill", time.perf_counter() - t, time.time()))
 
@@ -156,7 +156,7 @@ def prefill_worker(rank: int, cfg: DisaggConfig, requests: list[tuple], results,
             done = prefill_request(engine, Request(req_id, 0.0, len(prompt), max_new, prompt_ids=list(prompt)))
             prefilled_at = time.time()
             t_pack = time.perf_counter()
-            packed = _to_host(pack_blocks(cache.k_cache, cache.v_cache, done.blocks))
+            packed = _to_host(pack_blocks(cache.slot_tensors[0].k, cache.slot_tensors[0].v, done.blocks))
             t_send = time.perf_counter()
             send(torch.tensor([req_id, len(prompt), done.first_token, max_new, len(done.blocks)], dtype=torch.int64))
             send(torch.tensor(list(done.blocks) + list(prompt), dtype=torch.int64))
@@ -232,7 +232,7 @@ def decode_worker(rank: int, cfg: DisaggConfig, results, faults: Faults = NO_FAU
         w, manager, cache = _setup(cfg, rank)
         engine = Engine(w, cache, stop_at_eos=cfg.stop_at_eos)
         eos = w.eos_token_id if cfg.stop_at_eos else None
-        k0 = cache.k_cache[0]
+        k0 = cache.slot_tensors[0].k[0]
         _warm_up_decode(cfg, w, engine, results)
         group = _start_clock(cfg)
         step_times: list[float] = [float("nan")] * len(engine.stats)  # the end of every step (warm-up's: unknown)
@@ -240,7 +240,7 @@ def decode_worker(rank: int, cfg: DisaggConfig, results, faults: Faults = NO_FAU
         inbox: queue.Queue = queue.Queue()
         receiver = threading.Thread(
             target=_receive,
-            args=(inbox, len(cache.k_cache), tuple(k0.shape[1:]), k0.dtype, k0.is_cuda, group),
+            args=(inbox, len(cache.slot_tensors[0].k), tuple(k0.shape[1:]), k0.dtype, k0.is_cuda, group),
             daemon=True,
         )
         receiver.start()
@@ -311,6 +311,6 @@ def _free_everything(manager) -> bool:
     """After a failure: give back every block; True when all are free."""
     if manager is None:
         return True
-    for seq_id in list(manager.tables_now()):
+    for seq_id in list(manager.view.tables_now()):
         manager.free(seq_id)
-    return manager.num_free_blocks == manager.num_blocks
+    return manager.num_free_blocks == manager.view.num_blocks

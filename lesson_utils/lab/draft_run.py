@@ -90,9 +90,9 @@ def run_draft_model(
                 out += e.generate([p], new_tokens)
                 verified.extend(e.scheduler.verified)
                 nonlocal free
-                free &= e.manager.num_free_blocks == e.manager.num_blocks
+                free &= e.manager.num_free_blocks == e.manager.view.num_blocks
                 if proposer is not None:
-                    free &= not proposer.engine.manager.tables_now()
+                    free &= not proposer.engine.manager.view.tables_now()
             outputs[speculate] = out
             return len(prompts) * new_tokens
 

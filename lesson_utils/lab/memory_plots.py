@@ -95,14 +95,14 @@ REQUEST_COLORS = ["#1565c0", "#e64a19", "#2e7d32", "#6a1b9a", "#f9a825", "#00838
 
 def block_snapshot(manager, label: str = "") -> dict:
     """What :func:`draw_block_tables` needs from a BlockManager, copied (so later steps don't change it)."""
-    pool = getattr(manager, "pool", None)
+    view = manager.view
     return {
         "label": label,
-        "num_blocks": manager.num_blocks,
-        "block_size": manager.block_size,
-        "tables": manager.tables_now(),
-        "ref_counts": list(pool.ref_count) if pool is not None else None,
-        "cached": set(pool.hash_of) if pool is not None else set(),
+        "num_blocks": view.num_blocks,
+        "block_size": view.block_size,
+        "tables": view.tables_now(),
+        "ref_counts": [view.ref_count(b) for b in range(view.num_blocks)] if view.can_fork else None,
+        "cached": set(view.cached_blocks()),
     }
 
 

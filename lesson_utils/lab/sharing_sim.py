@@ -41,7 +41,7 @@ def parallel_sampling_saving(requests: list[Request], n: int, block_size: int = 
             mgr.fork(root.seq_id, child.seq_id)
             seqs.append(child)
         for _ in range(r.output_len):
-            lg, ph = mgr.sharing()
+            lg, ph = mgr.view.sharing()
             logical, physical = logical + lg, physical + ph
             if seqs[0].num_generated >= r.output_len:
                 break
@@ -81,6 +81,6 @@ def beam_search_saving(requests: list[Request], width: int, block_size: int = 16
             for b in new:
                 b.num_generated += 1
             beams = new
-            lg, ph = mgr.sharing()
+            lg, ph = mgr.view.sharing()
             logical, physical = logical + lg, physical + ph
     return 1.0 - physical / logical

@@ -157,7 +157,7 @@ def prefilled_engine(make_engine: Callable[[], Any], prompt: list[int], k: int, 
         m = engine.manager
         raise ValueError(
             f"the engine holds {len(engine.scheduler.running)} of {k} sequences: the others were not admitted together "
-            f"and finished first. Give it more memory ({m.num_free_blocks} of {m.num_blocks} blocks free now; a "
+            f"and finished first. Give it more memory ({m.num_free_blocks} of {m.view.num_blocks} blocks free now; a "
             f"watermark of {m.watermark_blocks} blocks is kept back from admissions: watermark=0 for a probe)"
         )
     return engine

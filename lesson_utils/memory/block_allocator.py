@@ -53,6 +53,10 @@ class BlockAllocator(BlockIds):
         self._check_id(block_id)
         return bool(self._is_free[block_id])
 
+    def free_order(self) -> list[int]:
+        """The free blocks in the order the next allocations take them (a copy)."""
+        return list(self._free_queue)
+
     def allocate(self) -> int:
         """Take a free block; raises :class:`OutOfBlocks` when none is left."""
         if not self._free_queue:

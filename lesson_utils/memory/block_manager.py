@@ -46,6 +46,7 @@ from lesson_utils.core.types import (
 )
 from lesson_utils.memory.block_allocator import BlockAllocator
 from lesson_utils.memory.block_table import BlockTable, blocks_needed, grow_block_table
+from lesson_utils.memory.doors import BlockDoor, ManagerView, NoPrefixCache
 from lesson_utils.memory.snapshot import BlockSnapshot
 
 
@@ -55,7 +56,7 @@ def _lookahead(n) -> int:
     return n
 
 
-class BlockManager:
+class BlockManager(NoPrefixCache):
     def __init__(
         self,
         num_blocks: int,
@@ -70,21 +71,32 @@ class BlockManager:
             raise ValueError(f"block_size must be at least 1, got {block_size}")
         if not 0 <= watermark < 1:
             raise ValueError(f"watermark is a fraction of the blocks in [0, 1), got {watermark}")
-        self.allocator = allocator or BlockAllocator(num_blocks)
-        self.num_blocks = self.allocator.num_blocks
-        self.block_size = block_size
-        self.watermark_blocks = int(watermark * self.num_blocks)
-        self.max_seq_len = max_seq_len
-        self.tables: dict[int, BlockTable] = {}
+        self._allocator = allocator or BlockAllocator(num_blocks)
+        self._num_blocks = self._allocator.num_blocks
+        self._block_size = block_size
+        self.watermark_blocks = int(watermark * self._num_blocks)
+        self._max_seq_len = max_seq_len
+        self._tables: dict[int, BlockTable] = {}
         self._grow = grow_fn
 
-    name = "PagedAttention"
-    can_fork = False  # lesson 05's SharingBlockManager shares blocks
-    num_cow = 0  # copy-on-write copies made (only a sharing manager makes any)
+    _name = "PagedAttention"
+    _can_fork = False  # lesson 05's SharingBlockManager shares blocks
+    _num_cow = 0  # copy-on-write copies made (only a sharing manager makes any)
+    _prompt_tokens = _cached_prompt_tokens = 0  # (a prefix cache counts them)
+
+    @property
+    def view(self) -> ManagerView:
+        """The accounting, read-only (:class:`~lesson_utils.memory.doors.ManagerView`)."""
+        return ManagerView(self)
+
+    @property
+    def blocks(self) -> BlockDoor:
+        """Single blocks, for the swap space and the hand-over (:class:`~lesson_utils.memory.doors.BlockDoor`)."""
+        return BlockDoor(self)
 
     @property
     def num_free_blocks(self) -> int:
-        return self.allocator.num_free
+        return self._allocator.num_free
 
     # ---- hooks for sharing (lesson 05): nothing is ever shared here --------------------------------
     def _make_writable(self, seq_id: int, start: int, end: int) -> None:
@@ -94,68 +106,77 @@ class BlockManager:
         """Block copies the cache must make before this step's writes (copy-on-write; none here)."""
         return []
 
-    def pending_copies(self) -> list[tuple[int, int]]:
+    def _pending_copies(self) -> list[tuple[int, int]]:
         """The copies :meth:`pop_copies` would return, without taking them (a swap reads them)."""
         return []
 
     def fork(self, parent_id: int, child_id: int) -> None:
         raise ValueError("this block manager shares nothing and cannot fork: use lesson 05's SharingBlockManager")
 
-    def sharing(self) -> tuple[int, int]:
+    def _sharing(self) -> tuple[int, int]:
         """(blocks the tables would hold without sharing, distinct blocks they hold)."""
-        logical = sum(len(t.blocks) for t in self.tables.values())
-        return logical, len({b for t in self.tables.values() for b in t.blocks})
+        logical = sum(len(t.blocks) for t in self._tables.values())
+        return logical, len({b for t in self._tables.values() for b in t.blocks})
 
     def _forget_prefix(self, seq_id: int) -> None:
         """``seq_id`` leaves the GPU (swapped out): drop what the prefix cache keeps per sequence (nothing here)."""
 
-    def external_fragmentation(self) -> float:
+    def _external_fragmentation(self) -> float:
         return float("nan")  # blocks leave no holes
 
     @property
-    def total_slots(self) -> int:
-        return self.num_blocks * self.block_size
+    def _total_slots(self) -> int:
+        return self._num_blocks * self._block_size
+
+    def _holds(self, seq_id: int) -> bool:
+        return seq_id in self._tables
+
+    def _free_queue(self) -> list[int]:
+        return self._allocator.free_order()
+
+    def _ref_count(self, block_id: int) -> int:
+        return 0 if self._allocator.is_free(block_id) else 1
 
     # ---- the scheduler's interface -------------------------------------------------------------
     def check_admissible(self, seq: Sequence) -> None:
         longest = seq.request.prompt_len + seq.request.output_len
-        if self.max_seq_len is not None and longest > self.max_seq_len:
-            raise NeverFits(f"request {seq.seq_id} may reach {longest} tokens; the model allows {self.max_seq_len}")
-        need = blocks_needed(longest, self.block_size)
-        if need > self.num_blocks:
+        if self._max_seq_len is not None and longest > self._max_seq_len:
+            raise NeverFits(f"request {seq.seq_id} may reach {longest} tokens; the model allows {self._max_seq_len}")
+        need = blocks_needed(longest, self._block_size)
+        if need > self._num_blocks:
             raise NeverFits(
-                f"request {seq.seq_id} may reach {longest} tokens = {need} blocks of {self.block_size}, "
-                f"more than the whole cache ({self.num_blocks} blocks)"
+                f"request {seq.seq_id} may reach {longest} tokens = {need} blocks of {self._block_size}, "
+                f"more than the whole cache ({self._num_blocks} blocks)"
             )
 
     def can_allocate(self, seq: Sequence) -> bool:
-        need = blocks_needed(seq.len, self.block_size)
-        if self.allocator.num_used == 0:  # an empty cache admits anything that fits at all
-            return need <= self.num_blocks
-        return need + self.watermark_blocks <= self.allocator.num_free
+        need = blocks_needed(seq.len, self._block_size)
+        if self._allocator.num_used == 0:  # an empty cache admits anything that fits at all
+            return need <= self._num_blocks
+        return need + self.watermark_blocks <= self._allocator.num_free
 
     def allocate(self, seq: Sequence) -> None:
-        if seq.seq_id in self.tables:
+        if seq.seq_id in self._tables:
             raise ValueError(f"sequence {seq.seq_id} already holds blocks")
-        self.ensure_capacity(seq.seq_id, seq.len)
+        self._ensure_capacity(seq.seq_id, seq.len)
 
     def append_slot(self, seq: Sequence, lookahead: int = 0) -> None:
         """Room for token number ``seq.len + 1`` and ``lookahead`` more (lesson 11's drafts); raises ``OutOfBlocks``
         (nothing changed) if there are not enough free blocks."""
-        self.ensure_capacity(seq.seq_id, seq.len + 1 + _lookahead(lookahead))
+        self._ensure_capacity(seq.seq_id, seq.len + 1 + _lookahead(lookahead))
 
     def trim(self, seq_id: int, num_tokens: int) -> None:
         """Lesson 11's rollback: ``seq_id``'s table keeps its first ``num_tokens`` tokens; the blocks past them (that
         only rejected draft tokens used) go back, one reference each - a block another table shares stays with it.
         Refuses to grow a table or to empty it (``free`` is the release)."""
-        table = self.tables.get(seq_id)
+        table = self._tables.get(seq_id)
         if table is None:
             raise ValueError(f"sequence {seq_id} holds no blocks (already freed, or never admitted)")
         if not is_int(num_tokens) or not 1 <= num_tokens <= table.num_tokens:
             raise ValueError(
                 f"trim keeps 1 .. {table.num_tokens} tokens of sequence {seq_id}'s table, not {num_tokens!r}"
             )
-        keep = blocks_needed(num_tokens, self.block_size)
+        keep = blocks_needed(num_tokens, self._block_size)
         dropped = table.blocks[keep:]
         del table.blocks[keep:]
         table.num_tokens = num_tokens
@@ -165,8 +186,8 @@ class BlockManager:
     def _forget_past(self, seq_id: int, num_tokens: int) -> None:
         """A rollback: drop what the prefix cache keeps of ``seq_id`` past ``num_tokens`` tokens (nothing here)."""
 
-    def block_is_free(self, block_id: int) -> bool:
-        return self.allocator.is_free(block_id)
+    def _block_is_free(self, block_id: int) -> bool:
+        return self._allocator.is_free(block_id)
 
     def cache_computed(self, seq: Sequence) -> None:
         """Nothing to register: this manager has no prefix cache (lesson 05's has)."""
@@ -176,34 +197,30 @@ class BlockManager:
         refused; it names the blocks the step then hands out that held data now (their contents are the caller's
         to save before they are written)."""
         return BlockSnapshot(
-            [capture(self), capture(self.allocator)],
-            {sid: list(t.blocks) for sid, t in self.tables.items()},
+            [capture(self), capture(self._allocator)],
+            {sid: list(t.blocks) for sid, t in self._tables.items()},
             dict(self._hashed_blocks()),
-            lambda: ({sid: t.blocks for sid, t in self.tables.items()}, self._hashed_blocks()),
+            lambda: ({sid: t.blocks for sid, t in self._tables.items()}, self._hashed_blocks()),
         )
 
-    def _hashed_blocks(self) -> dict[int, int]:
-        """Blocks that hold a findable prefix, with its hash (none here: lesson 05's prefix cache keeps some)."""
-        return {}
-
     # ---- used by the paged cache ----------------------------------------------------------------
-    def ensure_capacity(self, seq_id: int, num_tokens: int) -> BlockTable:
+    def _ensure_capacity(self, seq_id: int, num_tokens: int) -> BlockTable:
         """Grow ``seq_id``'s table (created if new) until it holds ``num_tokens`` tokens.
 
         All or nothing: if fewer blocks are free than the growth needs, raises ``OutOfBlocks`` and
         changes nothing (no half-grown table, no table left behind for a new sequence).
         """
-        table = self.tables.get(seq_id)
-        short = blocks_needed(num_tokens, self.block_size) - (len(table.blocks) if table is not None else 0)
-        if short > self.allocator.num_free:
+        table = self._tables.get(seq_id)
+        short = blocks_needed(num_tokens, self._block_size) - (len(table.blocks) if table is not None else 0)
+        if short > self._allocator.num_free:
             raise OutOfBlocks(
                 f"sequence {seq_id} needs {short} more block(s) for {num_tokens} tokens, but only "
-                f"{self.allocator.num_free} of the {self.num_blocks} blocks are free"
+                f"{self._allocator.num_free} of the {self._num_blocks} blocks are free"
             )
         if table is None:
-            table = self.tables[seq_id] = BlockTable(self.block_size)
+            table = self._tables[seq_id] = BlockTable(self._block_size)
         while table.num_tokens < num_tokens:
-            self._grow(table.blocks, table.num_tokens, self.block_size, self.allocator.allocate)
+            self._grow(table.blocks, table.num_tokens, self._block_size, self._allocator.allocate)
             table.num_tokens += 1
         return table
 
@@ -213,7 +230,7 @@ class BlockManager:
         out before anyone writes them again). Raises ``ValueError`` for a sequence that holds no blocks."""
         if not is_int(seq_id):
             raise TypeError(f"free takes a sequence id (an int: seq.seq_id), got {type(seq_id).__name__}")
-        table = self.tables.pop(seq_id, None)
+        table = self._tables.pop(seq_id, None)
         if table is None:
             raise ValueError(f"sequence {seq_id} holds no blocks (already freed, or never admitted)")
         self._forget_prefix(seq_id)
@@ -224,123 +241,123 @@ class BlockManager:
         """THE way blocks go back (vLLM's ``BlockPool.free_blocks``): one reference each, in the order the caller
         states - the order decides which blocks a later allocation reuses first."""
         for block_id in ordered_blocks:
-            self.allocator.free(block_id)
+            self._allocator.free(block_id)
 
     def _release_order(self, blocks: list[int]):
         return blocks  # nothing is cached here: any order will do
 
-    def allocate_block(self) -> int:
+    def _allocate_block(self) -> int:
         """Lesson 09: one free block for a transfer's destination (not yet in any table: :meth:`adopt` puts it in
         one, :meth:`free_block` gives it back). Raises ``OutOfBlocks`` when none is free."""
-        return self.allocator.allocate()
+        return self._allocator.allocate()
 
-    def free_block(self, block_id: int) -> None:
+    def _free_block(self, block_id: int) -> None:
         """Give back a block from :meth:`allocate_block` that no table holds (a refused transfer's destinations)."""
         holder = self._holder_of(block_id)
         if holder is not None:
             raise ValueError(f"block {block_id} belongs to sequence {holder}: free the sequence, not its block")
         self._free_blocks([block_id])
 
-    def share_block(self, block_id: int) -> None:
+    def _share_block(self, block_id: int) -> None:
         """One more table will hold ``block_id`` (lesson 05's managers count references; this one shares nothing)."""
         raise ValueError("this block manager shares nothing: use lesson 05's SharingBlockManager")
 
     def _holder_of(self, block_id: int) -> int | None:
-        return next((sid for sid, t in self.tables.items() if block_id in t.blocks), None)
+        return next((sid for sid, t in self._tables.items() if block_id in t.blocks), None)
 
     def _taken_for_new_table(self, block_id: int, holders: dict[int, int]) -> bool:
         """Whether a reference to ``block_id`` was taken for the table about to be installed: here (nothing is
         shared) the block must be held by no table; lesson 05's manager counts references instead."""
         return holders.get(block_id, 0) == 0
 
-    def adopt(self, seq_id: int, blocks: list[int], num_tokens: int) -> BlockTable:
+    def _adopt(self, seq_id: int, blocks: list[int], num_tokens: int) -> BlockTable:
         """THE install: give ``seq_id`` a table of ``blocks`` holding ``num_tokens`` tokens whose K/V were written
         into them from elsewhere - lesson 09's hand-over (blocks from :meth:`allocate_block`) and lesson 06's
         swap-in (the same, or :meth:`share_block` for a block another returning sequence shares). Refuses, with
         nothing changed: a sequence that holds blocks already, a token count that is not a positive int, a block
         count that does not match it, a block id twice, a free block, and a block another sequence holds without
         a reference taken for this table. Reference for exercise 09-3."""
-        if seq_id in self.tables:
+        if seq_id in self._tables:
             raise ValueError(f"sequence {seq_id} already holds blocks")
         if not is_int(num_tokens):
             raise TypeError(f"num_tokens is an int, got {type(num_tokens).__name__} {num_tokens!r}")
         if num_tokens < 1:
             raise ValueError(f"a sequence holds at least one token, got num_tokens={num_tokens}")
         blocks = list(blocks)
-        if len(blocks) != blocks_needed(num_tokens, self.block_size):
+        if len(blocks) != blocks_needed(num_tokens, self._block_size):
             raise ValueError(
-                f"{num_tokens} tokens take {blocks_needed(num_tokens, self.block_size)} blocks of {self.block_size} "
+                f"{num_tokens} tokens take {blocks_needed(num_tokens, self._block_size)} blocks of {self._block_size} "
                 f"(block count), got {len(blocks)}"
             )
         if len(set(blocks)) != len(blocks):
             raise ValueError(f"block ids must be distinct: {blocks} names one block twice")
         holders: dict[int, int] = {}  # block -> tables holding it, counted once
-        for t in self.tables.values():
+        for t in self._tables.values():
             for b in t.blocks:
                 holders[b] = holders.get(b, 0) + 1
         for b in blocks:
-            if self.allocator.is_free(b):  # also refuses an id that is no block of this cache
+            if self._allocator.is_free(b):  # also refuses an id that is no block of this cache
                 raise ValueError(f"block {b} is free: adopted blocks must be allocated first (allocate_block)")
             if not self._taken_for_new_table(b, holders):
                 raise ValueError(
                     f"block {b} is held by sequence {self._holder_of(b)}: a received request needs blocks of its own"
                 )
-        table = self.tables[seq_id] = BlockTable(self.block_size, blocks, num_tokens)
+        table = self._tables[seq_id] = BlockTable(self._block_size, blocks, num_tokens)
         return table
 
-    def table_of(self, seq_id: int) -> BlockTable | None:
+    def _table_of(self, seq_id: int) -> BlockTable | None:
         """``seq_id``'s block table, or None when it holds no blocks. A read: blocks change only through this
         manager's methods (the caches read the table's blocks and token count to build a step's slots)."""
-        return self.tables.get(seq_id)
+        return self._tables.get(seq_id)
 
     def placement(self, seq_id: int) -> Placement:
         """``seq_id``'s blocks, copied for a step's plan (the cache reads them there, not here)."""
-        return Placement(blocks=tuple(self.block_table(seq_id)))
+        return Placement(blocks=tuple(self._block_table(seq_id)))
 
-    def tables_now(self) -> dict[int, tuple[list[int], int]]:
+    def _tables_now(self) -> dict[int, tuple[list[int], int]]:
         """Every table as ``(blocks, tokens)``, copied (for pictures, checkers and a failed worker's clean-up)."""
-        return {sid: (list(t.blocks), t.num_tokens) for sid, t in self.tables.items()}
+        return {sid: (list(t.blocks), t.num_tokens) for sid, t in self._tables.items()}
 
-    def block_table(self, seq_id: int) -> list[int]:
+    def _block_table(self, seq_id: int) -> list[int]:
         """The physical blocks of ``seq_id``, in order; ``ValueError`` for a sequence that holds none."""
-        table = self.tables.get(seq_id)
+        table = self._tables.get(seq_id)
         if table is None:
             raise ValueError(f"sequence {seq_id} holds no blocks here (never admitted, or freed already)")
         return table.blocks
 
     # ---- accounting -----------------------------------------------------------------------------
-    def breakdown(self) -> dict[str, int]:
-        tokens = sum(t.num_tokens for t in self.tables.values())
-        held = sum(t.capacity for t in self.tables.values())
+    def _breakdown(self) -> dict[str, int]:
+        tokens = sum(t.num_tokens for t in self._tables.values())
+        held = sum(t.capacity for t in self._tables.values())
         return {
             SlotKind.TOKEN: tokens,
             SlotKind.RESERVED: 0,  # paging reserves nothing for future tokens
             SlotKind.INTERNAL: held - tokens,  # only the unfilled tails of last blocks
-            SlotKind.FREE: self.allocator.num_free * self.block_size,
+            SlotKind.FREE: self._allocator.num_free * self._block_size,
         }
 
-    def utilization(self) -> float:
+    def _utilization(self) -> float:
         """Share of the slots in held blocks that hold a token (the paper's 96.3 % measure)."""
-        held = sum(t.capacity for t in self.tables.values())
-        return sum(t.num_tokens for t in self.tables.values()) / held if held else 1.0
+        held = sum(t.capacity for t in self._tables.values())
+        return sum(t.num_tokens for t in self._tables.values()) / held if held else 1.0
 
-    def slot_kinds(self) -> np.ndarray:
-        kinds = np.full(self.total_slots, FREE, dtype=np.uint8)
-        bs = self.block_size
-        for table in self.tables.values():
+    def _slot_kinds(self) -> np.ndarray:
+        kinds = np.full(self._total_slots, FREE, dtype=np.uint8)
+        bs = self._block_size
+        for table in self._tables.values():
             for i, block_id in enumerate(table.blocks):
                 used = min(bs, table.num_tokens - i * bs)
                 kinds[block_id * bs : block_id * bs + used] = TOKEN
                 kinds[block_id * bs + used : (block_id + 1) * bs] = INTERNAL
         return kinds
 
-    def check_invariants(self) -> None:
+    def _check_invariants(self) -> None:
         """Raise AssertionError naming the broken invariant (used by the tests after every step)."""
-        held = [b for t in self.tables.values() for b in t.blocks]
+        held = [b for t in self._tables.values() for b in t.blocks]
         assert len(held) == len(set(held)), "a block is held by two tables"
-        assert not any(self.allocator.is_free(b) for b in held), "a held block is also free"
-        assert len(held) + self.allocator.num_free == self.num_blocks, "a block was lost"
-        for sid, t in self.tables.items():
-            assert len(t.blocks) == blocks_needed(t.num_tokens, self.block_size), (
+        assert not any(self._allocator.is_free(b) for b in held), "a held block is also free"
+        assert len(held) + self._allocator.num_free == self._num_blocks, "a block was lost"
+        for sid, t in self._tables.items():
+            assert len(t.blocks) == blocks_needed(t.num_tokens, self._block_size), (
                 f"sequence {sid} holds the wrong number of blocks"
             )

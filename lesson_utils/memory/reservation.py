@@ -22,6 +22,7 @@ import numpy as np
 from lesson_utils.core.state import capture
 from lesson_utils.core.types import FREE, INTERNAL, RESERVED, TOKEN, NeverFits, Placement, Sequence, SlotKind
 from lesson_utils.memory.contiguous import FirstFitAllocator
+from lesson_utils.memory.doors import ManagerView, NoPrefixCache
 from lesson_utils.memory.snapshot import MemorySnapshot
 
 POLICIES = ("max", "pow2", "oracle")
@@ -68,7 +69,7 @@ def external_fragmentation(holes: list[tuple[int, int]]) -> float:
     return 1.0 - max(length for _, length in holes) / total
 
 
-class ContiguousReservationManager:
+class ContiguousReservationManager(NoPrefixCache):
     """Orca-style memory manager: one contiguous reservation per request, sized by ``policy``."""
 
     def __init__(self, total_slots: int, policy: str, max_seq_len: int = 2048, allocator=None):
@@ -83,13 +84,52 @@ class ContiguousReservationManager:
         self.seqs: dict[int, Sequence] = {}
 
     watermark_blocks = 0  # no blocks
-    can_fork = False
-    num_cow = 0
-    num_free_blocks = None  # slots, not blocks: see breakdown()
+    num_free_blocks = None  # slots, not blocks: see the view's breakdown()
+    # what its view (ManagerView) reads: contiguous memory has no blocks, shares nothing, caches no prefix
+    _can_fork = False
+    _num_cow = _prompt_tokens = _cached_prompt_tokens = 0
+    _num_blocks = _block_size = None
+
+    @property
+    def view(self) -> ManagerView:
+        """The accounting, read-only (:class:`~lesson_utils.memory.doors.ManagerView`)."""
+        return ManagerView(self)
 
     @property
     def name(self) -> str:
         return {"max": "Orca (Max)", "pow2": "Orca (Pow2)", "oracle": "Orca (Oracle)"}[self.policy]
+
+    _name = name
+
+    @property
+    def _total_slots(self) -> int:
+        return self.total_slots
+
+    @property
+    def _max_seq_len(self) -> int:
+        return self.max_seq_len
+
+    def _holds(self, seq_id: int) -> bool:
+        return seq_id in self.start
+
+    def _no_blocks(self, *args):
+        raise ValueError(
+            "contiguous reservations have no blocks (a block table, a swap, a hand-over need a block manager)"
+        )
+
+    _block_table = _block_is_free = _free_queue = _ref_count = _no_blocks
+
+    def _tables_now(self) -> dict[int, tuple[list[int], int]]:
+        return {}  # no block tables
+
+    def _utilization(self) -> float:
+        br = self.breakdown()
+        held = self.total_slots - br[SlotKind.FREE]
+        return br[SlotKind.TOKEN] / held if held else 1.0
+
+    def _check_invariants(self) -> None:
+        assert set(self.start) == set(self.reserved) == set(self.seqs), "a reservation lost its bookkeeping"
+        assert self.allocator.free_slots + sum(self.reserved.values()) == self.total_slots, "a slot was lost"
 
     def _slots_for(self, seq: Sequence) -> int:
         return reservation_slots(self.policy, seq.final_len, self.max_seq_len)
@@ -138,9 +178,6 @@ class ContiguousReservationManager:
         region it freed (reservations never run short mid-step: nothing is preempted), so no data needs saving."""
         return MemorySnapshot([capture(self), capture(self.allocator)])
 
-    def block_is_free(self, block_id: int) -> bool:
-        raise ValueError("contiguous reservations have no blocks (swapping needs a block manager)")
-
     def pop_copies(self) -> list[tuple[int, int]]:
         return []  # nothing is shared
 
@@ -149,6 +186,18 @@ class ContiguousReservationManager:
 
     def sharing(self) -> tuple[int, int]:
         return len(self.seqs), len(self.seqs)
+
+    def _sharing(self) -> tuple[int, int]:
+        return self.sharing()
+
+    def _breakdown(self) -> dict[str, int]:
+        return self.breakdown()
+
+    def _slot_kinds(self) -> np.ndarray:
+        return self.slot_kinds()
+
+    def _external_fragmentation(self) -> float:
+        return self.external_fragmentation()
 
     def breakdown(self) -> dict[str, int]:
         token = reserved = internal = 0

@@ -76,14 +76,14 @@ class SwapSpace:
         return len({b for b in gpu_blocks if b not in already})
 
     def can_swap_out(self, manager, seq_id: int, already: dict[int, int]) -> bool:
-        return self.distinct_new_blocks(manager.block_table(seq_id), already) <= self.num_free
+        return self.distinct_new_blocks(manager.view.block_table(seq_id), already) <= self.num_free
 
     def swap_out(self, manager, seq_id: int, already: dict[int, int]) -> list[tuple[int, int]]:
         """Move a sequence's table to the CPU; returns the (gpu, cpu) copies to make. Its GPU blocks go back
         through the manager (``free``: a block still held by another sequence stays on the GPU for it)."""
         # a block the victim copied-on-write this step is filled only in the forward, after the swap copies:
         # copy its contents from the copy's source (still held by another table) instead
-        pending = {dst: src for src, dst in manager.pending_copies()}
+        pending = {dst: src for src, dst in manager.blocks.pending_copies()}
         table = manager.free(seq_id)
         fresh = len(already)
         cpu_blocks, copies = self._mapping(table.blocks, self.pool.allocate, already)
@@ -114,15 +114,15 @@ class SwapSpace:
         """Bring a swapped sequence back into free GPU blocks; returns the (cpu, gpu) copies to make."""
         cpu_table = self.cpu_tables.pop(seq_id)
         fresh = len(already)
-        gpu_blocks, copies = self._mapping(cpu_table.blocks, manager.allocate_block, already)
+        gpu_blocks, copies = self._mapping(cpu_table.blocks, manager.blocks.allocate_block, already)
         counted: set[int] = {gpu for _, gpu in copies}
         for gpu in gpu_blocks:
             if gpu in counted:
                 counted.discard(gpu)
             else:
-                manager.share_block(gpu)  # another returning sequence brought it back this step
+                manager.blocks.share_block(gpu)  # another returning sequence brought it back this step
         for cpu in cpu_table.blocks:
             self.pool.decref(cpu)
-        manager.adopt(seq_id, gpu_blocks, cpu_table.num_tokens)
+        manager.blocks.adopt(seq_id, gpu_blocks, cpu_table.num_tokens)
         self.blocks_in += len(already) - fresh
         return copies

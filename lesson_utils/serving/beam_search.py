@@ -64,6 +64,6 @@ class BeamGroup:
         for seq, token, _ in beams:
             seq.append_token(token, step)
         self.beams, self.scores = [b for b, _, _ in beams], [sc for _, _, sc in beams]
-        logical, physical = manager.sharing()
+        logical, physical = manager.view.sharing()
         self.logical_blocks += logical
         self.physical_blocks += physical

@@ -29,7 +29,7 @@ class DraftModelProposer:
                 f"the draft model's vocabulary ({draft_engine.w.vocab_size} ids) is not the target's ({vocab_size}): "
                 "a draft model must share the target's tokenizer"
             )
-        if not draft_engine.manager.can_fork:
+        if not draft_engine.manager.view.can_fork:
             raise ValueError("the draft engine needs a sharing block manager with prefix caching (lesson 05's)")
         self.engine = draft_engine
         self.calls = 0

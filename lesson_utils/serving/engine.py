@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 import torch
 
 from lesson_utils.cache.host_blocks import HostBlocks
+from lesson_utils.cache.seam import ServingCache
 from lesson_utils.core.types import MemoryManager, Request, Sequence, SequenceStatus, SlotKind, is_int
 from lesson_utils.model.weights import ModelWeights
 from lesson_utils.serving.beam_search import BeamGroup
@@ -107,7 +108,7 @@ class Engine:
     """Serve token-id requests on any cache that has a memory manager (greedy unless told otherwise)."""
 
     w: ModelWeights
-    cache: object  # a PagedKVCache (lesson 03); anything with a ``manager`` implementing MemoryManager
+    cache: ServingCache  # a PagedKVCache (lesson 03) or a preset of it; lesson 02's ReservedKVCache
     max_num_seqs: int | None = None
     stop_at_eos: bool = True
     preemption_mode: str = "recompute"  # lesson 06: or "swap"
@@ -156,7 +157,7 @@ class Engine:
         return Request(self.scheduler.new_seq_id(), 0.0, len(prompt_ids), max_new_tokens, prompt_ids=prompt_ids)
 
     def _needs_fork(self, what: str) -> None:
-        if not self.manager.can_fork:
+        if not self.manager.view.can_fork:
             raise ValueError(
                 f"{what} by forking, and this cache's memory manager ({type(self.manager).__name__}) cannot "
                 "fork: use a SharingBlockManager (lesson 05)"
@@ -257,7 +258,7 @@ class Engine:
     def _record(self, plan: StepPlan, done: list[Sequence], t0: float, now: float) -> None:
         sch = self.scheduler
         free = sch.manager.num_free_blocks
-        br = sch.manager.breakdown()
+        br = sch.manager.view.breakdown()
         work = StepWork.of_plan(plan)
         self.stats.append(
             StepStats(
@@ -321,4 +322,4 @@ class Engine:
                 if beam.status in (SequenceStatus.WAITING, SequenceStatus.RUNNING, SequenceStatus.SWAPPED):
                     self.scheduler.abort(beam)
             raise
-        return group.best.output_ids, {"saving": group.saving, "cow": self.manager.num_cow}
+        return group.best.output_ids, {"saving": group.saving, "cow": self.manager.view.num_cow}

@@ -8,7 +8,7 @@ from typing import Callable
 import torch
 
 from lesson_utils.cache.host_blocks import HostBlocks
-from lesson_utils.cache.seam import StepBatch
+from lesson_utils.cache.seam import ServingCache, StepBatch
 from lesson_utils.core.host_copy import to_device
 from lesson_utils.core.types import Sequence
 from lesson_utils.model.weights import ModelWeights, forward
@@ -22,7 +22,7 @@ class ModelRunner:
     :class:`~lesson_utils.serving.output.SeqFeed` (tokens, start, where its K/V live) - and changes no sequence: the
     scheduler's ``update_from_output`` advances the counts and picks the tokens."""
 
-    def __init__(self, w: ModelWeights, cache, host_blocks: HostBlocks | None = None):
+    def __init__(self, w: ModelWeights, cache: ServingCache, host_blocks: HostBlocks | None = None):
         self.w, self.cache, self.host_blocks = w, cache, host_blocks  # host_blocks: the swap space's data
         # the engine's step checkpoint (StepCheckpoint.protect) while a step runs: called before anything is written
         self.before_writes: Callable[[], None] | None = None

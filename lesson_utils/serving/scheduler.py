@@ -278,7 +278,7 @@ class FCFSScheduler(SettlesSteps):
 
     def _held_slots(self) -> int:
         """Slots the memory manager holds or reserves now (every kind but free)."""
-        br = self.manager.breakdown()
+        br = self.manager.view.breakdown()
         return sum(br.values()) - br[SlotKind.FREE]
 
     def _draft(self) -> None:
@@ -345,7 +345,7 @@ class FCFSScheduler(SettlesSteps):
                 samplers = [s for s in samplers if s is not victim]
                 self._preempt(victim, moved)
                 preempted.append(victim)
-                for b in [b for b in moved if self.manager.block_is_free(b)]:
+                for b in [b for b in moved if self.manager.view.block_is_free(b)]:
                     del moved[b]  # freed: it may be handed out again this step, and then holds something else
         return preempted
 

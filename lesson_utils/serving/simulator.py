@@ -135,7 +135,7 @@ def simulate(
     for r in pending:
         scheduler.manager.check_admissible(Sequence(r))  # fail fast, before simulating anything
 
-    stride = max(1, manager.total_slots // map_columns)
+    stride = max(1, manager.view.total_slots // map_columns)
     rec_steps, rec_running, rec_waiting, rec_frag, rec_tokens = [], [], [], [], []
     rec_kinds: dict[str, list[int]] = {k: [] for k in KINDS}
     maps: list[tuple[int, np.ndarray]] = []
@@ -144,20 +144,20 @@ def simulate(
     if progress:
         from tqdm.auto import tqdm
 
-        bar = tqdm(total=len(pending), desc=f"simulating {manager.name}", unit="req", leave=False)
+        bar = tqdm(total=len(pending), desc=f"simulating {manager.view.name}", unit="req", leave=False)
 
     def record(plan: StepPlan) -> None:  # memory after the step's tokens are in, before finished sequences leave
         step = plan.step
-        br = scheduler.manager.breakdown()
+        br = scheduler.manager.view.breakdown()
         rec_steps.append(step)
         rec_tokens.append(sum(plan.num_tokens))
         rec_running.append(len(scheduler.running))
         rec_waiting.append(len(scheduler.waiting))
         for k in KINDS:
             rec_kinds[k].append(br[k])
-        rec_frag.append(scheduler.manager.external_fragmentation())
+        rec_frag.append(scheduler.manager.view.external_fragmentation())
         if map_every and step % map_every == 0:
-            kinds = scheduler.manager.slot_kinds()
+            kinds = scheduler.manager.view.slot_kinds()
             if kinds is not None:
                 maps.append((step, kinds[::stride][:map_columns].copy()))
         if on_step is not None:
@@ -193,8 +193,8 @@ def simulate(
         bar.close()
 
     return SimResult(
-        manager_name=manager.name,
-        total_slots=manager.total_slots,
+        manager_name=manager.view.name,
+        total_slots=manager.view.total_slots,
         step_time_s=step_time_s,
         steps=np.array(rec_steps),
         running=np.array(rec_running),

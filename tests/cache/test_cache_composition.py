@@ -77,7 +77,7 @@ def _serve(engine: Engine, n: int = 1) -> list[list[list[int]]]:
     firsts = [engine.add_request(p, NEW, n=n if i == 0 else 1) for i, p in enumerate(PROMPTS)]
     engine.run()
     m = engine.manager
-    assert m.num_free_blocks == m.num_blocks and not m.tables_now(), "a block was not given back"
+    assert m.num_free_blocks == m.view.num_blocks and not m.view.tables_now(), "a block was not given back"
     return [[s.output_ids for s in f.samples] for f in firsts]
 
 

@@ -90,7 +90,7 @@ def _prompts(w, lengths=(12, 20, 25, 31, 9), seed=0):
 
 def _all_free(engine) -> bool:
     m = engine.manager
-    return m.num_free_blocks == m.num_blocks
+    return m.num_free_blocks == m.view.num_blocks
 
 
 @pytest.fixture(scope="module")
@@ -148,7 +148,7 @@ def test_fork_and_copy_on_write_carry_the_scales(tiny):
     first = engine.add_request(prompt, 12, n=3)
     engine.run(progress=False)
     assert [s.output_ids for s in first.samples] == [alone] * 3
-    assert manager.num_cow > 0 and _all_free(engine)
+    assert manager.view.num_cow > 0 and _all_free(engine)
 
 
 def test_a_nan_in_a_kv_vector_is_refused_naming_the_layer_and_slot(tiny):
@@ -181,7 +181,7 @@ def test_int8_outputs_against_the_fp32_cache_under_a_measured_bound(tiny):
     for ids in _prompts(w, (40, 60, 80), seed=3):
         logits = {}
         for name, cache in (("fp32", PagedKVCache.for_model(w, 40, 8)), ("int8", Int8PagedKVCache.for_model(w, 40, 8))):
-            cache.manager.ensure_capacity(0, len(ids))
+            cache.manager.blocks.reserve(0, len(ids))
             batch = StepBatch.build([0], [ids], [0], device=w.device)
             logits[name] = forward(w, batch, cache, last_only=False)
         agree += int((logits["fp32"].argmax(-1) == logits["int8"].argmax(-1)).sum())

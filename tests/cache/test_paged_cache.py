@@ -19,6 +19,7 @@ from lesson_utils.cache.attention import (
 from lesson_utils.cache.dense import DenseKVCache
 from lesson_utils.cache.paged import PagedKVCache, gather_kv
 from lesson_utils.core.types import Request, Sequence
+from lesson_utils.memory.block_allocator import BlockAllocator
 from lesson_utils.memory.block_manager import BlockManager
 from lesson_utils.memory.block_table import blocks_needed
 
@@ -193,8 +194,9 @@ def test_paged_cache_matches_dense_reference(block_size, batched_decode):
     every block is free again."""
     gen = torch.Generator().manual_seed(block_size)
     layers, heads, dim, num_blocks = 2, 3, 8, 64
-    manager = BlockManager(num_blocks, block_size, watermark=0.0)
-    scramble_free_queue(manager.allocator, seed=block_size)
+    allocator = BlockAllocator(num_blocks)
+    scramble_free_queue(allocator, seed=block_size)  # later tables are non-monotonic
+    manager = BlockManager(num_blocks, block_size, watermark=0.0, allocator=allocator)
     ours = ReservingPagedKVCache(layers, heads, dim, manager, batched_decode=batched_decode)
     ref = DenseKVCache(layers)
     lens: dict[int, int] = {0: 0, 1: 0, 2: 0}
@@ -205,19 +207,19 @@ def test_paged_cache_matches_dense_reference(block_size, batched_decode):
         batch = step_beside_dense(ours, ref, gen, lens, heads, dim)
         batched_steps += batch.meta.decode is not None
         for sid, clen in zip(batch.seq_ids, batch.context_lens):
-            assert len(manager.block_table(sid)) == blocks_needed(clen, block_size)
-        manager.check_invariants()
-    assert any(manager.block_table(s) != sorted(manager.block_table(s)) for s in lens) or block_size == 16
+            assert len(manager.view.block_table(sid)) == blocks_needed(clen, block_size)
+        manager.view.check_invariants()
+    assert any(manager.view.block_table(s) != sorted(manager.view.block_table(s)) for s in lens) or block_size == 16
     assert (batched_steps > 0) == batched_decode  # the batched decode path ran (or was really off)
     # The cache stores exactly the dense K/V, reachable through the tables.
     for layer in range(layers):
         for sid, n in lens.items():
-            assert torch.equal(gather_kv(ours.k_cache[layer], manager.block_table(sid), n), ref.k[layer][sid])
-            assert torch.equal(gather_kv(ours.v_cache[layer], manager.block_table(sid), n), ref.v[layer][sid])
+            assert torch.equal(gather_kv(ours.k_cache[layer], manager.view.block_table(sid), n), ref.k[layer][sid])
+            assert torch.equal(gather_kv(ours.v_cache[layer], manager.view.block_table(sid), n), ref.v[layer][sid])
     for sid in lens:
         ours.free(sid)
-    assert manager.allocator.num_free == num_blocks and not manager.tables
-    assert all(manager.allocator.is_free(b) for b in range(num_blocks))
+    assert manager.num_free_blocks == num_blocks and not manager.view.tables()
+    assert all(manager.view.block_is_free(b) for b in range(num_blocks))
     with pytest.raises(ValueError, match="already freed, or never admitted"):
         ours.free(0)
 
@@ -250,8 +252,8 @@ def test_paged_cache_geometry_for_a_model():
         dtype, device = torch.float16, torch.device("cpu")
 
     cache = PagedKVCache.for_model(W, 10, 8, watermark=0.2)
-    assert cache.block_size == 8 and cache.manager.num_blocks == 10 and cache.manager.watermark_blocks == 2
-    assert cache.manager.max_seq_len == 512
+    assert cache.block_size == 8 and cache.manager.view.num_blocks == 10 and cache.manager.watermark_blocks == 2
+    assert cache.manager.view.max_seq_len == 512
     assert len(cache.k_cache) == len(cache.v_cache) == 3 and cache.k_cache[0].shape == (10, 8, 4, 16)
     assert cache.k_cache[0].dtype == torch.float16  # the model's dtype, unless told otherwise
     assert cache.bytes_per_block == 2 * 3 * 8 * 4 * 16 * 2

@@ -143,8 +143,8 @@ def test_an_int8_hand_over_decodes_as_the_int8_engine_alone(tiny, use_kernels):
     seq = hand_over(prefill, decode, Request(0, 0.0, len(prompt), new, prompt_ids=prompt))
     decode.run()
     assert seq.output_ids == alone
-    assert decode.manager.num_free_blocks == decode.manager.num_blocks
-    assert prefill.manager.num_free_blocks == prefill.manager.num_blocks
+    assert decode.manager.num_free_blocks == decode.manager.view.num_blocks
+    assert prefill.manager.num_free_blocks == prefill.manager.view.num_blocks
 
 
 def test_a_hand_over_without_the_scales_or_between_kinds_is_refused_and_takes_nothing(tiny):
@@ -160,15 +160,15 @@ def test_a_hand_over_without_the_scales_or_between_kinds_is_refused_and_takes_no
     values_only = pack_blocks(prefill_cache.k_cache, prefill_cache.v_cache, done.blocks)
     with pytest.raises(ValueError, match=r"holds 1 packed tensor\(s\), but the decode cache keeps 2"):
         receive(decode, Prefilled(req, done.first_token, done.blocks), values_only)
-    assert decode.manager.num_free_blocks == decode.manager.num_blocks and not decode.scheduler.has_work
+    assert decode.manager.num_free_blocks == decode.manager.view.num_blocks and not decode.scheduler.has_work
     fp = prefill_engine(w, PagedKVCache.for_model(w, 40, 4))
     with pytest.raises(ValueError, match="same kind of cache"):
         hand_over(fp, decode, Request(1, 0.0, len(prompt), 4, prompt_ids=prompt))
-    assert fp.manager.num_free_blocks == fp.manager.num_blocks
+    assert fp.manager.num_free_blocks == fp.manager.view.num_blocks
     fp_engine = Engine(w, PagedKVCache.for_model(w, 40, 4))
     as_floats = [values_only.float(), pack_blocks(*[[s.unsqueeze(-1) for s in x] for x in
                  (prefill_cache.k_scale, prefill_cache.v_scale)], done.blocks)]  # fmt: skip
     with pytest.raises(TypeError, match="a cast would not quantize"):
         receive(decode, Prefilled(req, done.first_token, done.blocks), as_floats)
-    assert decode.manager.num_free_blocks == decode.manager.num_blocks
-    assert fp_engine.manager.num_free_blocks == fp_engine.manager.num_blocks
+    assert decode.manager.num_free_blocks == decode.manager.view.num_blocks
+    assert fp_engine.manager.num_free_blocks == fp_engine.manager.view.num_blocks

@@ -220,9 +220,9 @@ def test_classify_matches_manager_breakdown():
     s.schedule(0)  # admits what fits, and reserves every admitted sequence's next token
     for seq in s.running:
         seq.num_generated += 1
-    kinds = m.slot_kinds()
+    kinds = m.view.slot_kinds()
     counts = np.bincount(kinds, minlength=4)
-    br = m.breakdown()
+    br = m.view.breakdown()
     assert counts.tolist() == [br["token states"], br["reserved"], br["internal fragmentation"], br["free"]]
 
 

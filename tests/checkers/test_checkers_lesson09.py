@@ -252,7 +252,7 @@ def test_wrong_packing_is_rejected(pack, unpack, needle):
 def _room_ask_once(engine, need):  # asks whether anything decodes only before waiting
     from lesson_utils.core.types import OutOfBlocks
 
-    if need > engine.manager.num_blocks:
+    if need > engine.manager.view.num_blocks:
         raise ValueError("never fits")
     if engine.manager.num_free_blocks < need and not engine.scheduler.has_work:
         raise OutOfBlocks("nothing decodes")
@@ -263,7 +263,7 @@ def _room_ask_once(engine, need):  # asks whether anything decodes only before w
 
 
 def _room_refuses_the_whole_cache(engine, need):
-    if need >= engine.manager.num_blocks:
+    if need >= engine.manager.view.num_blocks:
         raise ValueError("never fits")
     return _room(engine, need)
 
@@ -281,7 +281,7 @@ def _room(engine, need, *, loop="while", cmp="<", total=True, nothing_running="r
     from lesson_utils.core.types import OutOfBlocks
 
     m = engine.manager
-    if total and need > m.num_blocks:
+    if total and need > m.view.num_blocks:
         raise ValueError("never fits")
     done = []
 

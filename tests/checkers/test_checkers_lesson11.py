@@ -240,8 +240,8 @@ def frees_blocks_by_hand(seq, tokens, step, manager):
     _append(seq, tokens, step)
     seq.num_computed = seq.len - 1
     if not seq.is_finished:
-        table = manager.table_of(seq.seq_id)
-        keep = blocks_needed(seq.len, manager.block_size)
+        table = manager._tables[seq.seq_id]  # a learner reaching past the manager's doors
+        keep = blocks_needed(seq.len, manager.view.block_size)
         del table.blocks[keep:]
         table.num_tokens = seq.len
 

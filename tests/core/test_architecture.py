@@ -6,8 +6,7 @@
   ``serving``, ``disagg``) ever imports them;
 * ``core.types`` imports nothing of the course; ``memory/`` stands on ``core`` only;
 * ``serving/`` never imports ``memory/``: it reaches a memory manager through the ``MemoryManager`` protocol;
-* nothing outside ``memory/`` reaches into a manager: no ``.allocator`` of another object, no write to another
-  object's ``.tables`` - the block manager is the only door to blocks (an AST check);
+* nothing outside ``memory/`` reaches into a manager or past its written doors (``tests/core/test_doors.py``);
 * nothing in ``lesson_utils`` imports the tooling (``course_tools``) or the notebook machinery (nbformat,
   nbclient, ipykernel): Colab installs the runtime package alone.
 """
@@ -145,60 +144,6 @@ def test_no_import_cycle_anywhere_in_the_repository():
         graph[m] = {d for d in graph[m] if not m.startswith(d + ".")}
     assert _cycle(graph) is None, "import cycle: " + " -> ".join(_cycle(graph) or [])
     assert _cycle({"a": {"b"}, "b": {"a"}}) == ["a", "b", "a"]  # the search can fail
-
-
-MUTATING = {"pop", "popitem", "clear", "update", "setdefault"}
-
-
-def _other_objects(node: ast.AST, attr: str) -> bool:
-    """``X.<attr>`` where X is not ``self`` (a class may keep its own allocator or tables)."""
-    return (
-        isinstance(node, ast.Attribute)
-        and node.attr == attr
-        and not (isinstance(node.value, ast.Name) and node.value.id == "self")
-    )
-
-
-def manager_internals_reached(source: str, where: str = "<source>") -> list[str]:
-    """Every place in ``source`` that reaches into a memory manager: any ``X.allocator``, and any ``X.tables`` -
-    read or written (a manager answers ``table_of``, ``block_table`` and ``tables_now`` instead)."""
-    found = []
-    for node in ast.walk(ast.parse(source)):
-        if _other_objects(node, "allocator"):
-            found.append(f"{where}:{node.lineno}: reads .allocator")
-        if _other_objects(node, "tables"):
-            found.append(f"{where}:{node.lineno}: reaches .tables")
-        targets = []
-        if isinstance(node, ast.Assign):
-            targets = node.targets
-        elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
-            targets = [node.target]
-        elif isinstance(node, ast.Delete):
-            targets = node.targets
-        for t in targets:
-            if isinstance(t, ast.Subscript) and _other_objects(t.value, "tables"):
-                found.append(f"{where}:{node.lineno}: writes .tables[...]")
-        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in MUTATING:
-            if _other_objects(node.func.value, "tables"):
-                found.append(f"{where}:{node.lineno}: calls .tables.{node.func.attr}()")
-    return found
-
-
-def test_only_the_memory_layer_touches_tables_and_allocators():
-    bad = []
-    for m, p in MODULES.items():
-        if layer_of(m) != "memory":
-            bad += manager_internals_reached(p.read_text(), m)
-    assert bad == [], "the block manager is the only door to blocks:\n" + "\n".join(bad)
-
-
-def test_the_door_rule_can_fail():
-    assert manager_internals_reached("manager.allocator.allocate()") != []
-    assert manager_internals_reached("m.tables[seq_id] = table") != []
-    assert manager_internals_reached("table = m.tables.pop(seq_id)") != []
-    assert manager_internals_reached("del m.tables[5]") != []
-    assert manager_internals_reached("x = m.tables[3].blocks") != []  # a read too: m.block_table(3)
-    assert manager_internals_reached("self.allocator.free(b); x = self.tables[3].blocks; m.table_of(2)") == []
 
 
 def test_the_runtime_package_needs_no_tooling():

@@ -36,13 +36,13 @@ def test_plan_pack_unpack_adopt_moves_exactly_the_requests_kv(num_tokens):
     dst_k = [torch.zeros(12, bs, heads, d) for _ in range(layers)]
     dst_v = [torch.zeros(12, bs, heads, d) for _ in range(layers)]
     manager = BlockManager(12, bs, watermark=0.0)
-    manager.ensure_capacity(99, 3)  # the decode side is not empty: its fresh blocks are not 0, 1, ...
-    plan = transfer_plan(7, src_table, num_tokens, bs, manager.allocate_block, manager.free_block)
+    manager.blocks.reserve(99, 3)  # the decode side is not empty: its fresh blocks are not 0, 1, ...
+    plan = transfer_plan(7, src_table, num_tokens, bs, manager.blocks.allocate_block, manager.blocks.free_block)
     assert plan.src_blocks == src_table[: blocks_needed(num_tokens, bs)] and len(plan.dst_blocks) == plan.num_blocks
     packed = pack_blocks(src_k, src_v, plan.src_blocks)
     assert packed.shape == (2, layers, plan.num_blocks, bs, heads, d)
     unpack_blocks(packed, dst_k, dst_v, plan.dst_blocks)
-    table = manager.adopt(7, plan.dst_blocks, num_tokens)
+    table = manager.blocks.adopt(7, plan.dst_blocks, num_tokens)
     for layer in range(layers):
         assert torch.equal(
             gather_kv(dst_k[layer], table.blocks, num_tokens), gather_kv(src_k[layer], src_table, num_tokens)
@@ -50,22 +50,22 @@ def test_plan_pack_unpack_adopt_moves_exactly_the_requests_kv(num_tokens):
         assert torch.equal(
             gather_kv(dst_v[layer], table.blocks, num_tokens), gather_kv(src_v[layer], src_table, num_tokens)
         )
-    manager.check_invariants()
+    manager.view.check_invariants()
 
 
 def test_adoption_and_planning_refuse_what_does_not_fit():
     manager = BlockManager(3, 4, watermark=0.0)
     with pytest.raises(OutOfBlocks):
-        transfer_plan(1, [0, 1, 2, 3], 16, 4, manager.allocate_block, manager.free_block)
+        transfer_plan(1, [0, 1, 2, 3], 16, 4, manager.blocks.allocate_block, manager.blocks.free_block)
     assert manager.num_free_blocks == 3  # nothing kept
     with pytest.raises(ValueError, match="need 3 blocks"):
-        transfer_plan(1, [0, 1], 9, 4, manager.allocate_block, manager.free_block)
+        transfer_plan(1, [0, 1], 9, 4, manager.blocks.allocate_block, manager.blocks.free_block)
     fresh = BlockManager(4, 4, watermark=0.0)
     with pytest.raises(ValueError, match="must be allocated first"):
-        fresh.adopt(1, [0, 1], 5)
-    b = [fresh.allocate_block() for _ in range(2)]
+        fresh.blocks.adopt(1, [0, 1], 5)
+    b = [fresh.blocks.allocate_block() for _ in range(2)]
     with pytest.raises(ValueError, match="take 2 blocks of 4 \\(block count\\), got 1"):
-        fresh.adopt(1, b[:1], 5)
+        fresh.blocks.adopt(1, b[:1], 5)
 
 
 @pytest.fixture(scope="module")

@@ -52,8 +52,8 @@ def test_a_request_its_first_token_finishes_is_never_decoded(tiny, why):
         prefill, decode, Request(0, 0.0, len(prompt), max_new, prompt_ids=prompt), eos_token_id=eos
     )
     assert seq.output_ids == [first] and seq.is_finished and seq.finished_step is not None
-    assert not decode.scheduler.has_work and decode.manager.num_free_blocks == 16 and not decode.manager.tables
-    assert prefill_mgr.num_free_blocks == 16 and not prefill_mgr.tables
+    assert not decode.scheduler.has_work and decode.manager.num_free_blocks == 16 and not decode.manager.view.tables()
+    assert prefill_mgr.num_free_blocks == 16 and not prefill_mgr.view.tables()
     decode.run()
     assert seq.output_ids == [first]  # still one token: it was never decoded
 
@@ -84,10 +84,10 @@ def test_a_hand_over_gives_everything_back_when_a_step_fails(tiny):
 def test_a_plan_that_runs_out_of_blocks_gives_back_what_it_took():
     mgr = BlockManager(5, 4)
     for _ in range(3):
-        mgr.allocate_block()
+        mgr.blocks.allocate_block()
     free_before = mgr.num_free_blocks
     with pytest.raises(OutOfBlocks):
-        transfer_plan(0, [10, 11, 12, 13], 13, 4, mgr.allocate_block, mgr.free_block)  # 4 blocks, 2 free
+        transfer_plan(0, [10, 11, 12, 13], 13, 4, mgr.blocks.allocate_block, mgr.blocks.free_block)  # 4 blocks, 2 free
     assert mgr.num_free_blocks == free_before
 
 
@@ -105,7 +105,7 @@ def test_bad_plans_are_refused_before_anything_is_allocated(args, error, words):
     mgr = BlockManager(8, 4)
     table = list(args[1])
     with pytest.raises(error, match=words):
-        transfer_plan(*args, mgr.allocate_block, mgr.free_block)
+        transfer_plan(*args, mgr.blocks.allocate_block, mgr.blocks.free_block)
     assert mgr.num_free_blocks == 8 and args[1] == table
 
 
@@ -170,7 +170,7 @@ def test_unpacking_converts_a_payload_in_another_dtype():
 
 # ---- adoption -------------------------------------------------------------------------------------------------
 def _state(mgr):
-    return {s: (list(t.blocks), t.num_tokens) for s, t in mgr.tables.items()}, mgr.num_free_blocks
+    return {s: (list(t.blocks), t.num_tokens) for s, t in mgr.view.tables().items()}, mgr.num_free_blocks
 
 
 @pytest.mark.parametrize("manager_class", [BlockManager, SharingBlockManager])
@@ -194,23 +194,23 @@ def _state(mgr):
 def test_adoption_refuses_and_changes_nothing(manager_class, what, make, error, words):
     mgr = manager_class(16, 4)
     mgr.allocate(Sequence(Request(1, 0.0, 4, 2, prompt_ids=[2, 3, 4, 5])))
-    held, mine = mgr.block_table(1)[0], mgr.allocate_block()
+    held, mine = mgr.view.block_table(1)[0], mgr.blocks.allocate_block()
     before = _state(mgr)
     with pytest.raises(error, match=words):
-        mgr.adopt(*make(mgr, mine, held))
+        mgr.blocks.adopt(*make(mgr, mine, held))
     assert _state(mgr) == before, what
 
 
 def test_the_block_table_of_an_unknown_sequence_is_a_clear_error():
     with pytest.raises(ValueError, match="sequence 4 holds no blocks"):
-        BlockManager(4, 4).block_table(4)
+        BlockManager(4, 4).view.block_table(4)
 
 
 def test_a_block_in_a_table_cannot_be_freed_alone():
     mgr = BlockManager(4, 4)
     mgr.allocate(Sequence(Request(1, 0.0, 4, 2, prompt_ids=[2, 3, 4, 5])))
     with pytest.raises(ValueError, match="belongs to sequence 1"):
-        mgr.free_block(mgr.block_table(1)[0])
+        mgr.blocks.free_block(mgr.view.block_table(1)[0])
 
 
 # ---- run_disaggregated's requests ----------------------------------------------------------------------------
@@ -241,7 +241,7 @@ def test_the_prefill_side_makes_the_first_token_in_one_engine_step_and_holds_the
     done = handover.prefill_request(prefill, Request(7, 0.0, len(prompt), 5, prompt_ids=prompt))
     assert done.first_token == hf_greedy(model, prompt, 1, None)[0]
     assert len(prefill.stats) == 1 and prefill.stats[0].prefill_tokens == len(prompt)
-    assert list(prefill.scheduler.held) == [7] and done.blocks == list(mgr.block_table(7))[:3]
+    assert list(prefill.scheduler.held) == [7] and done.blocks == list(mgr.view.block_table(7))[:3]
     assert done.request.output_len == 5  # what the decode side is asked for travels unchanged
     prefill.scheduler.release(7)
     assert mgr.num_free_blocks == 16 and not prefill.scheduler.held

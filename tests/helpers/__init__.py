@@ -118,7 +118,7 @@ class ReservesSlots:
 
     def prepare(self, batch) -> None:
         for sid, clen in zip(batch.seq_ids, batch.context_lens):
-            self.manager.ensure_capacity(sid, clen)
+            self.manager.blocks.reserve(sid, clen)
         super().prepare(batch)
 
 

@@ -15,8 +15,8 @@ def make_seq(seq_id: int, prompt_len: int, output_len: int = 1000) -> Sequence:
 
 def snapshot(m: BlockManager):
     """Everything a failed operation must leave untouched: every table, and which ids are free."""
-    tables = {sid: (tuple(t.blocks), t.num_tokens) for sid, t in m.tables.items()}
-    return tables, tuple(m.allocator.is_free(b) for b in range(m.num_blocks)), m.allocator.num_free
+    tables = {sid: (tuple(t.blocks), t.num_tokens) for sid, t in m.view.tables().items()}
+    return tables, tuple(m.view.block_is_free(b) for b in range(m.view.num_blocks)), m.num_free_blocks
 
 
 def scramble_free_queue(allocator: BlockAllocator, seed: int) -> None:

@@ -59,12 +59,12 @@ def check_swap_space(space: SwapSpace | None) -> None:
 def check_step(sch: FCFSScheduler) -> None:
     """Who holds what, after a step: running -> GPU table, swapped -> CPU table, waiting -> nothing."""
     m = sch.manager
-    m.check_invariants()
+    m.view.check_invariants()
     check_swap_space(sch.swap_space)
     running = {s.seq_id for s in sch.running}
     swapped = {s.seq_id for s in sch.swapped}
     waiting = {s.seq_id for s in sch.waiting}
-    assert set(m.tables) == running, (sorted(m.tables), sorted(running))
+    assert set(m.view.tables()) == running, (sorted(m.view.tables()), sorted(running))
     if isinstance(m, SharingBlockManager):  # prefix-cache bookkeeping only for sequences holding blocks
         assert set(m._hashes) <= running, (sorted(m._hashes), sorted(running))
     assert not (running & swapped or running & waiting or swapped & waiting)
@@ -77,12 +77,12 @@ def check_step(sch: FCFSScheduler) -> None:
 
 
 def assert_all_free(m: BlockManager, space: SwapSpace | None = None) -> None:
-    m.check_invariants()
-    assert not m.tables
-    assert m.allocator.num_free == m.num_blocks
-    assert all(m.allocator.is_free(b) for b in range(m.num_blocks))
+    m.view.check_invariants()
+    assert not m.view.tables()
+    assert m.num_free_blocks == m.view.num_blocks
+    assert all(m.view.block_is_free(b) for b in range(m.view.num_blocks))
     if isinstance(m, SharingBlockManager):
-        assert not any(m.pool.ref_count) and not m._hashes
+        assert not any(m.view.ref_count(b) for b in range(m.view.num_blocks))
     if space is not None:
         check_swap_space(space)
         assert not space.cpu_tables
@@ -101,7 +101,7 @@ class SwapSpy:
         real_out, real_in = space.swap_out, space.swap_in
 
         def swap_out(manager, seq_id, already):
-            blocks = list(manager.tables[seq_id].blocks)
+            blocks = list(manager.view.tables()[seq_id].blocks)
             copies = real_out(manager, seq_id, already)
             self.out.append((engine._step, seq_id, blocks, copies))
             return copies
@@ -152,7 +152,7 @@ class KVWatch:
         self.checked = 0
 
     def _kv(self, seq_id: int, n: int) -> list[torch.Tensor]:
-        cache, blocks = self.engine.cache, self.engine.manager.tables[seq_id].blocks
+        cache, blocks = self.engine.cache, self.engine.manager.view.tables()[seq_id].blocks
         return [gather_kv(c, blocks, n).clone() for c in cache.k_cache + cache.v_cache]
 
     def after_step(self) -> None:
@@ -292,8 +292,8 @@ class CheckedScheduler(FCFSScheduler):
     def _preempt(self, victim, moved):
         self.victims.append(victim.seq_id)
         if self.swap_space is not None:  # what the swap moves: its len tokens' blocks (this step's lookahead trimmed)
-            kept = blocks_needed(victim.len, self.manager.block_size)
-            need = self.swap_space.distinct_new_blocks(self.manager.tables[victim.seq_id].blocks[:kept], moved)
+            kept = blocks_needed(victim.len, self.manager.view.block_size)
+            need = self.swap_space.distinct_new_blocks(self.manager.view.tables()[victim.seq_id].blocks[:kept], moved)
             self.fits_at_preemption.append(need <= self.swap_space.num_free)
         super()._preempt(victim, moved)
 
@@ -322,7 +322,7 @@ class CheckingRunner(simulator.AccountingRunner):
         return ("prompt", tuple(prompt[: p + 1])) if p < len(prompt) else ("generated", seq.seq_id, p)
 
     def apply(self, plan):  # the plan's swap copies, in the engine's order: swap-ins, then swap-outs
-        bs = self.sch.manager.block_size
+        bs = self.sch.manager.view.block_size
         for c, g in plan.swap_in:
             for o in range(bs):
                 self.gpu[g, o] = self.cpu.get((c, o))
@@ -333,12 +333,12 @@ class CheckingRunner(simulator.AccountingRunner):
     def _shadow_step(self, plan):
         running, step = plan.scheduled, plan.step
         m = self.sch.manager
-        bs = m.block_size
+        bs = m.view.block_size
         for src, dst in plan.copies:
             for o in range(bs):
                 self.gpu[dst, o] = self.gpu.get((src, o))
         for s in running:
-            blocks = m.tables[s.seq_id].blocks
+            blocks = m.view.tables()[s.seq_id].blocks
             if s.admitted_step == step:  # just swapped in, or admitted with cached prefix blocks
                 for p in range(s.num_computed):
                     got = self.gpu.get((blocks[p // bs], p % bs))
@@ -354,7 +354,7 @@ class CheckingRunner(simulator.AccountingRunner):
         self.apply(plan)
         self._shadow_step(plan)
         for s in running:  # room was made for the token about to be generated, and nothing more
-            assert sch.manager.tables[s.seq_id].num_tokens == s.len + 1
+            assert sch.manager.view.tables()[s.seq_id].num_tokens == s.len + 1
         tokens = sum(s.len - s.num_computed for s in running)
         budget = sch.max_num_batched_tokens
         # the budget holds every step. With forks (n - 1 more decodes without an admission) decodes alone may
@@ -456,10 +456,10 @@ def run_workload(seed: int) -> dict:
     return dict(
         wl,
         events=sch.events,
-        hits=getattr(manager, "cached_prompt_tokens", 0),
+        hits=manager.view.cached_prompt_tokens,
         verified=runner.verified,
         forks=len(sch.children),
-        cow=getattr(manager, "num_cow", 0),
+        cow=manager.view.num_cow,
     )
 
 
@@ -469,7 +469,7 @@ def drive(sch: CheckedScheduler, arrivals: dict[int, list[Sequence]], steps: int
     for step in range(steps):
         for s in arrivals.get(step, []):
             sch.add(s)
-        free, ins, adm = sch.manager.allocator.num_free, len(sch.swap_ins), len(sch.admissions)
+        free, ins, adm = sch.manager.num_free_blocks, len(sch.swap_ins), len(sch.admissions)
         plan = sch.schedule(step)
         entry = dict(step=step, free_before=free, back=sch.swap_ins[ins:], admitted=sch.admissions[adm:])
         output = runner.execute(plan)

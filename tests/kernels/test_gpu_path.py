@@ -378,7 +378,7 @@ def test_a_refused_step_is_restored_on_the_device_too(on_device):
                     refused += 1
             assert refused == len(engine.stats) and engine.scheduler.num_preemptions > 0, name
             assert [s.output_ids for s in seqs] == want, name
-            assert engine.manager.num_free_blocks == engine.manager.num_blocks, name
+            assert engine.manager.num_free_blocks == engine.manager.view.num_blocks, name
 
 
 def test_speculative_decoding_on_the_device_keeps_greedy_tokens_and_the_sync_budget(on_device):

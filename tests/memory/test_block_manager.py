@@ -51,21 +51,21 @@ class BlockManagerMachine(RuleBasedStateMachine):
         prompt_len = data.draw(st.integers(1, 4 * bs) | st.integers(1, (NUM_BLOCKS + 2) * bs), label="prompt_len")
         m, seq = self.m, self._new_seq(prompt_len)
         need = blocks_needed(prompt_len, self.bs)
-        free_before = m.allocator.num_free
+        free_before = m.num_free_blocks
         if m.can_allocate(seq):
             assert need <= free_before
             if via_ensure:
-                table = m.ensure_capacity(seq.seq_id, prompt_len)
+                table = m.blocks.reserve(seq.seq_id, prompt_len)
             else:
                 m.allocate(seq)
-                table = m.tables[seq.seq_id]
+                table = m.view.tables()[seq.seq_id]
             assert table.num_tokens == prompt_len and len(table.blocks) == need
-            assert m.allocator.num_free == free_before - need
+            assert m.num_free_blocks == free_before - need
             self.live[seq.seq_id] = seq
             event("admitted")
             return
         # Refused: consistently so (not enough free blocks, or only the watermark holds it back) ...
-        if m.allocator.num_used == 0:
+        if m.num_free_blocks == NUM_BLOCKS:
             assert need > NUM_BLOCKS
         else:
             assert need + m.watermark_blocks > free_before
@@ -74,48 +74,49 @@ class BlockManagerMachine(RuleBasedStateMachine):
             before = snapshot(m)
             with pytest.raises(OutOfBlocks):
                 if via_ensure:
-                    m.ensure_capacity(seq.seq_id, prompt_len)
+                    m.blocks.reserve(seq.seq_id, prompt_len)
                 else:
                     m.allocate(seq)
             assert snapshot(m) == before, "a failed allocation changed the manager's state"
-            assert seq.seq_id not in m.tables
+            assert seq.seq_id not in m.view.tables()
 
     @precondition(lambda self: self.live)
     @rule(data=st.data())
     def grow_by_one_token(self, data):
         m = self.m
         seq = self.live[data.draw(st.sampled_from(sorted(self.live)))]
-        table = m.tables[seq.seq_id]
+        table = m.view.tables()[seq.seq_id]
         needs_block = seq.len % self.bs == 0
-        event(f"grow: {'new' if needs_block else 'same'} block, {'some' if m.allocator.num_free else 'none'} free")
-        if needs_block and m.allocator.num_free == 0:
+        event(f"grow: {'new' if needs_block else 'same'} block, {'some' if m.num_free_blocks else 'none'} free")
+        if needs_block and m.num_free_blocks == 0:
             before = snapshot(m)
             msg = rf"needs 1 more block\(s\) for {seq.len + 1} tokens, but only 0 of the 24 blocks are free"
             with pytest.raises(OutOfBlocks, match=msg):
                 m.append_slot(seq)
             assert snapshot(m) == before, "a failed append_slot changed the manager's state"
             return
-        old_blocks, free_before = list(table.blocks), m.allocator.num_free
-        free_ids = {b for b in range(NUM_BLOCKS) if m.allocator.is_free(b)}
+        old_blocks, free_before = list(table.blocks), m.num_free_blocks
+        free_ids = {b for b in range(NUM_BLOCKS) if m.view.block_is_free(b)}
         m.append_slot(seq)
         seq.num_generated += 1  # the token that slot was for has been generated
+        table = m.view.tables()[seq.seq_id]  # (the view hands out copies)
         assert table.blocks[: len(old_blocks)] == old_blocks, "existing blocks moved"
         if needs_block:
             assert len(table.blocks) == len(old_blocks) + 1 and table.blocks[-1] in free_ids
-            assert m.allocator.num_free == free_before - 1
+            assert m.num_free_blocks == free_before - 1
         else:
-            assert len(table.blocks) == len(old_blocks) and m.allocator.num_free == free_before
+            assert len(table.blocks) == len(old_blocks) and m.num_free_blocks == free_before
 
     @precondition(lambda self: self.live)
     @rule(data=st.data())
     def finish_sequence(self, data):
         m = self.m
         seq = self.live.pop(data.draw(st.sampled_from(sorted(self.live))))
-        blocks, free_before = list(m.tables[seq.seq_id].blocks), m.allocator.num_free
+        blocks, free_before = list(m.view.tables()[seq.seq_id].blocks), m.num_free_blocks
         m.free(seq.seq_id)
-        assert m.allocator.num_free == free_before + len(blocks)
-        assert all(m.allocator.is_free(b) for b in blocks)
-        assert seq.seq_id not in m.tables
+        assert m.num_free_blocks == free_before + len(blocks)
+        assert all(m.view.block_is_free(b) for b in blocks)
+        assert seq.seq_id not in m.view.tables()
         self.finished.append(seq)
 
     @rule(data=st.data())
@@ -127,10 +128,10 @@ class BlockManagerMachine(RuleBasedStateMachine):
         if self.finished:
             with pytest.raises(ValueError, match="holds no blocks"):
                 m.free(data.draw(st.sampled_from(self.finished)).seq_id)  # freed twice
-        free_ids = [b for b in range(NUM_BLOCKS) if m.allocator.is_free(b)]
+        free_ids = [b for b in range(NUM_BLOCKS) if m.view.block_is_free(b)]
         if free_ids:
             with pytest.raises(ValueError, match="already free"):
-                m.allocator.free(data.draw(st.sampled_from(free_ids)))
+                m.blocks.free_block(data.draw(st.sampled_from(free_ids)))
         if self.live:
             with pytest.raises(ValueError, match="already holds blocks"):
                 m.allocate(self.live[data.draw(st.sampled_from(sorted(self.live)))])
@@ -141,25 +142,24 @@ class BlockManagerMachine(RuleBasedStateMachine):
         m = self.m
         if m is None:
             return
-        m.check_invariants()
-        a = m.allocator
-        free_ids = {b for b in range(NUM_BLOCKS) if a.is_free(b)}
-        held = [b for t in m.tables.values() for b in t.blocks]
+        m.view.check_invariants()
+        free_ids = {b for b in range(NUM_BLOCKS) if m.view.block_is_free(b)}
+        held = [b for t in m.view.tables().values() for b in t.blocks]
         assert len(held) == len(set(held)), "a block is in two tables (or twice in one)"
         assert not free_ids & set(held), "a block is both free and held"
         assert free_ids | set(held) == set(range(NUM_BLOCKS)), "a block is neither free nor held"
-        assert a.num_free == len(free_ids) and a.num_free + a.num_used == NUM_BLOCKS
-        assert set(m.tables) == set(self.live)
-        for sid, t in m.tables.items():
+        assert m.num_free_blocks == len(free_ids) == NUM_BLOCKS - len(held)
+        assert set(m.view.tables()) == set(self.live)
+        for sid, t in m.view.tables().items():
             assert t.num_tokens == self.live[sid].len
             assert len(t.blocks) == -(-t.num_tokens // self.bs)
-        br = m.breakdown()
-        assert sum(br.values()) == m.total_slots and br["reserved"] == 0
-        assert br["free"] == a.num_free * self.bs
-        assert br["internal fragmentation"] == sum(t.last_block_waste for t in m.tables.values())
-        assert all(0 <= t.last_block_waste < self.bs for t in m.tables.values())
+        br = m.view.breakdown()
+        assert sum(br.values()) == m.view.total_slots and br["reserved"] == 0
+        assert br["free"] == m.num_free_blocks * self.bs
+        assert br["internal fragmentation"] == sum(t.last_block_waste for t in m.view.tables().values())
+        assert all(0 <= t.last_block_waste < self.bs for t in m.view.tables().values())
         held_slots = br["token states"] + br["internal fragmentation"]
-        assert m.utilization() == (br["token states"] / held_slots if held_slots else 1.0)
+        assert m.view.utilization() == (br["token states"] / held_slots if held_slots else 1.0)
 
 
 BlockManagerMachine.TestCase.settings = settings(max_examples=100, stateful_step_count=40, deadline=None)
@@ -174,33 +174,38 @@ TestBlockManager = BlockManagerMachine.TestCase
 @pytest.mark.parametrize("block_size", [1, 4, 16])
 def test_breakdown_adds_up_and_only_last_blocks_waste(block_size):
     m = BlockManager(40, block_size, watermark=0.0)
-    assert m.breakdown() == {"token states": 0, "reserved": 0, "internal fragmentation": 0, "free": m.total_slots}
-    assert m.utilization() == 1.0
+    assert m.view.breakdown() == {
+        "token states": 0,
+        "reserved": 0,
+        "internal fragmentation": 0,
+        "free": m.view.total_slots,
+    }
+    assert m.view.utilization() == 1.0
     lengths = [1, block_size, block_size + 1, 2 * block_size - 1, 33]
     for i, n in enumerate(lengths):
         m.allocate(make_seq(i, n))
     grown = make_seq(0, 1)
     m.append_slot(grown)  # sequence 0 grows to 2 tokens
     lengths[0] = 2
-    br = m.breakdown()
+    br = m.view.breakdown()
     held = sum(blocks_needed(n, block_size) for n in lengths) * block_size
     waste = sum(blocks_needed(n, block_size) * block_size - n for n in lengths)
     assert br["token states"] == sum(lengths)
     assert br["reserved"] == 0
-    assert br["internal fragmentation"] == waste == sum(t.last_block_waste for t in m.tables.values())
-    assert br["free"] == m.allocator.num_free * block_size == m.total_slots - held
-    assert sum(br.values()) == m.total_slots
-    assert m.utilization() == pytest.approx(sum(lengths) / held)
+    assert br["internal fragmentation"] == waste == sum(t.last_block_waste for t in m.view.tables().values())
+    assert br["free"] == m.num_free_blocks * block_size == m.view.total_slots - held
+    assert sum(br.values()) == m.view.total_slots
+    assert m.view.utilization() == pytest.approx(sum(lengths) / held)
     if block_size == 1:
-        assert br["internal fragmentation"] == 0 and m.utilization() == 1.0
-    kinds = m.slot_kinds()
-    assert kinds.shape == (m.total_slots,)
+        assert br["internal fragmentation"] == 0 and m.view.utilization() == 1.0
+    kinds = m.view.slot_kinds()
+    assert kinds.shape == (m.view.total_slots,)
     assert (kinds == TOKEN).sum() == br["token states"]
     assert (kinds == INTERNAL).sum() == br["internal fragmentation"]
     assert (kinds == FREE).sum() == br["free"]
     for sid in range(len(lengths)):
         m.free(sid)
-    assert m.breakdown()["free"] == m.total_slots
+    assert m.view.breakdown()["free"] == m.view.total_slots
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -231,7 +236,7 @@ def test_freeing_twice_or_allocating_twice_is_an_error():
         m.free(seq.seq_id)
     with pytest.raises(ValueError, match="holds no blocks"):
         m.free(99)
-    assert m.allocator.num_free == 8
+    assert m.num_free_blocks == 8
 
 
 def test_failed_allocation_is_all_or_nothing():
@@ -242,10 +247,10 @@ def test_failed_allocation_is_all_or_nothing():
     assert not m.can_allocate(late)
     with pytest.raises(OutOfBlocks):
         m.allocate(late)
-    assert m.allocator.num_free == 3 and set(m.tables) == {0}
+    assert m.num_free_blocks == 3 and set(m.view.tables()) == {0}
     m.free(0)
     m.allocate(late)  # and the same sequence can be admitted once there is room
-    assert len(m.block_table(1)) == 4
+    assert len(m.view.block_table(1)) == 4
 
 
 def test_watermark_holds_blocks_back_except_in_an_empty_cache():

@@ -12,7 +12,7 @@ from helpers.sharing import compute, make_seq
 from lesson_utils.core.types import OutOfBlocks, Sequence
 from lesson_utils.memory.block_pool import NO_PARENT, BlockPool, block_hash
 from lesson_utils.memory.block_table import BlockTable
-from lesson_utils.memory.sharing import SharingBlockManager, copy_on_write, fork_table, prefix_hits
+from lesson_utils.memory.sharing import SharingBlockManager, copy_on_write, fork_table
 
 # ---------------------------------------------------------------------------------------------------
 # BlockPool
@@ -136,15 +136,15 @@ def test_lookup_rejects_a_hash_collision():
     m = SharingBlockManager(16, 2, hash_fn=lambda parent, tokens: 42, watermark=0.0)
     a = make_seq(0, [5, 6, 7, 8, 9])
     compute(m, a)
-    assert m.pool.hash_of == {m.tables[0].blocks[0]: 42}  # the second block's "hash" was taken already
+    assert m.view.cached_blocks() == {m.view.tables()[0].blocks[0]: 42}  # the second block's "hash" was taken already
     b = make_seq(1, [1, 2, 7, 8, 9])  # same hash, other tokens
     m.allocate(b)
-    assert b.num_computed == 0 and not set(m.tables[1].blocks) & set(m.tables[0].blocks)
+    assert b.num_computed == 0 and not set(m.view.tables()[1].blocks) & set(m.view.tables()[0].blocks)
     c = make_seq(2, [5, 6, 3, 4, 9])  # first block really equal: hit; second: same hash, other tokens
     m.allocate(c)
-    assert c.num_computed == 2 and m.tables[2].blocks[0] == m.tables[0].blocks[0]
-    assert m.tables[2].blocks[1] != m.tables[0].blocks[0]
-    m.check_invariants()
+    assert c.num_computed == 2 and m.view.tables()[2].blocks[0] == m.view.tables()[0].blocks[0]
+    assert m.view.tables()[2].blocks[1] != m.view.tables()[0].blocks[0]
+    m.view.check_invariants()
 
 
 @pytest.mark.xfail(
@@ -168,35 +168,35 @@ def test_the_tail_block_is_evicted_first():
     m = SharingBlockManager(3, 2, watermark=0.0)
     a = make_seq(0, [1, 2, 3, 4, 5, 6])
     compute(m, a)
-    head, middle, tail = m.tables[0].blocks
-    assert set(m.pool.hash_of) == {head, middle, tail}
+    head, middle, tail = m.view.tables()[0].blocks
+    assert set(m.view.cached_blocks()) == {head, middle, tail}
     m.free(a.seq_id)
-    assert m.pool.num_cached_free == 3
+    assert m.view.prefix_cache_stats().cached_free_blocks == 3
     b = make_seq(1, [7])  # one block, shares nothing
     m.allocate(b)
-    assert m.tables[1].blocks == [tail], "the tail block must be reused first"
-    assert set(m.pool.hash_of) == {head, middle} and m.pool.evictions == 1
+    assert m.view.tables()[1].blocks == [tail], "the tail block must be reused first"
+    assert set(m.view.cached_blocks()) == {head, middle} and m.view.prefix_cache_stats().evictions == 1
     m.free(b.seq_id)
     c = make_seq(2, [1, 2, 3, 4, 9])  # the first two blocks are still cached: hit both
     m.allocate(c)
-    assert m.tables[2].blocks[:2] == [head, middle] and c.num_computed == 4
-    m.check_invariants()
+    assert m.view.tables()[2].blocks[:2] == [head, middle] and c.num_computed == 4
+    m.view.check_invariants()
 
 
 def test_a_freed_cached_block_is_hit_until_it_is_evicted():
     m = SharingBlockManager(4, 2, watermark=0.0)
     compute(m, make_seq(0, [1, 2, 3]))
-    first = m.tables[0].blocks[0]
+    first = m.view.tables()[0].blocks[0]
     m.free(0)
-    assert m.pool.is_free(first) and m.pool.hash_of == {first: block_hash(NO_PARENT, [1, 2])}
+    assert m.view.block_is_free(first) and m.view.cached_blocks() == {first: block_hash(NO_PARENT, [1, 2])}
     again = make_seq(1, [1, 2, 7])
     assert m.can_allocate(again)
     m.allocate(again)
-    assert m.tables[1].blocks[0] == first and again.num_computed == 2 and m.pool.ref_count[first] == 1
+    assert m.view.tables()[1].blocks[0] == first and again.num_computed == 2 and m.view.ref_count(first) == 1
     m.free(1)
     filler = make_seq(2, [9] * 7)  # needs all four blocks: the cached one is reused, so evicted
     m.allocate(filler)
-    assert first in m.tables[2].blocks and not m.pool.hash_of
+    assert first in m.view.tables()[2].blocks and not m.view.cached_blocks()
     m.free(2)
     late = make_seq(3, [1, 2, 7])
     m.allocate(late)
@@ -208,20 +208,20 @@ def test_the_last_prompt_token_is_always_recomputed(block_size):
     m = SharingBlockManager(32, block_size, watermark=0.0)
     prompt = [1, 2, 3, 1, 2, 3, 1, 2][: 2 * block_size]  # exactly two blocks (one block: 2 tokens at bs 1)
     compute(m, make_seq(0, prompt))
-    assert len(m.pool.hash_of) == len(prompt) // block_size  # every block of it is cached
+    assert len(m.view.cached_blocks()) == len(prompt) // block_size  # every block of it is cached
     again = make_seq(1, prompt)
     m.allocate(again)
     hit = (len(prompt) - 1) // block_size
     assert again.num_computed == hit * block_size < len(prompt)
-    assert m.tables[1].blocks[:hit] == m.tables[0].blocks[:hit]
-    assert m.tables[1].blocks[hit] != m.tables[0].blocks[hit]  # recomputed in a block of its own
-    assert prefix_hits(m.pool, prompt, block_size) == m.tables[0].blocks[:hit]
+    assert m.view.tables()[1].blocks[:hit] == m.view.tables()[0].blocks[:hit]
+    assert m.view.tables()[1].blocks[hit] != m.view.tables()[0].blocks[hit]  # recomputed in a block of its own
+    assert m.view.prefix_hits(prompt) == m.view.tables()[0].blocks[:hit]
     longer = make_seq(2, prompt + [0])  # one token more: every block of the prompt hits
     m.allocate(longer)
     assert longer.num_computed == len(prompt)
-    assert m.cached_prompt_tokens == again.num_computed + longer.num_computed
-    assert m.prompt_tokens == 3 * len(prompt) + 1
-    m.check_invariants()
+    assert m.view.cached_prompt_tokens == again.num_computed + longer.num_computed
+    assert m.view.prompt_tokens == 3 * len(prompt) + 1
+    m.view.check_invariants()
 
 
 def test_prefix_caching_off_never_hits():
@@ -229,8 +229,8 @@ def test_prefix_caching_off_never_hits():
     compute(m, make_seq(0, [1, 2, 3, 4, 5]))
     again = make_seq(1, [1, 2, 3, 4, 5])
     m.allocate(again)
-    assert again.num_computed == 0 and not m.pool.hash_of and m.cached_prompt_tokens == 0
-    assert not set(m.tables[0].blocks) & set(m.tables[1].blocks)
+    assert again.num_computed == 0 and not m.view.cached_blocks() and m.view.cached_prompt_tokens == 0
+    assert not set(m.view.tables()[0].blocks) & set(m.view.tables()[1].blocks)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -242,21 +242,18 @@ def test_fork_never_allocates():
     m = SharingBlockManager(8, 4, watermark=0.0)
     parent = make_seq(0, list(range(10)))
     m.allocate(parent)
-    free_before, blocks = m.pool.num_free, list(m.tables[0].blocks)
+    free_before, blocks = m.num_free_blocks, list(m.view.tables()[0].blocks)
     for child in (1, 2, 3):
         m.fork(0, child)
-    assert m.pool.num_free == free_before
-    assert all(m.tables[c].blocks == blocks and m.tables[c].num_tokens == 10 for c in (1, 2, 3))
-    assert all(m.pool.ref_count[b] == 4 for b in blocks)
-    assert m.sharing() == (4 * len(blocks), len(blocks))
-    m.tables[1].blocks.append(7)  # the child's list is its own ...
-    assert m.tables[0].blocks == blocks
-    m.tables[1].blocks.pop()  # ... (undo, for the invariants)
+    assert m.num_free_blocks == free_before
+    assert all(m.view.tables()[c].blocks == blocks and m.view.tables()[c].num_tokens == 10 for c in (1, 2, 3))
+    assert all(m.view.ref_count(b) == 4 for b in blocks)
+    assert m.view.sharing() == (4 * len(blocks), len(blocks))
     with pytest.raises(ValueError, match="sequence 1 already holds blocks"):
         m.fork(0, 1)
     with pytest.raises(ValueError, match="cannot fork sequence 9: it holds no blocks"):
         m.fork(9, 10)
-    m.check_invariants()
+    m.view.check_invariants()
     t = fork_table(BlockTable(4, [5, 6], 7), BlockPool(8))  # the reference on its own
     assert (t.blocks, t.num_tokens) == ([5, 6], 7)
 
@@ -280,16 +277,16 @@ def test_make_writable_records_the_copies_for_the_cache():
     parent = make_seq(0, list(range(6)))  # blocks: [0..3] full, [4, 5] partial
     m.allocate(parent)
     m.fork(0, 1)
-    full, partial = m.tables[0].blocks
-    free_before = m.pool.num_free
+    full, partial = m.view.tables()[0].blocks
+    free_before = m.num_free_blocks
     m._make_writable(1, 6, 8)  # the child writes positions 6 and 7: only the partial block is copied
-    assert m.tables[1].blocks[0] == full and m.tables[1].blocks[1] not in (full, partial)
-    assert m.tables[0].blocks == [full, partial]
-    assert m.pop_copies() == [(partial, m.tables[1].blocks[1])] and m.pop_copies() == []
-    assert m.pool.num_free == free_before - 1 and m.num_cow == 1
+    assert m.view.tables()[1].blocks[0] == full and m.view.tables()[1].blocks[1] not in (full, partial)
+    assert m.view.tables()[0].blocks == [full, partial]
+    assert m.pop_copies() == [(partial, m.view.tables()[1].blocks[1])] and m.pop_copies() == []
+    assert m.num_free_blocks == free_before - 1 and m.view.num_cow == 1
     m._make_writable(0, 6, 8)  # the parent is now the partial block's only holder
-    assert m.pop_copies() == [] and m.tables[0].blocks == [full, partial]
-    m.check_invariants()
+    assert m.pop_copies() == [] and m.view.tables()[0].blocks == [full, partial]
+    m.view.check_invariants()
 
 
 @pytest.mark.parametrize("n", [1, 2, 4])
@@ -315,24 +312,27 @@ def test_n_holders_of_a_shared_partial_block_cost_n_minus_1_copies(n, prompt_len
             replace(parent.request, req_id=c), num_generated=1, output_ids=[100 + c], num_computed=parent.num_computed
         )
         seqs.append(child)
-    last = m.tables[0].blocks[prompt_len // 4]  # holds position prompt_len, written next step
-    assert m.pool.ref_count[last] == n + 1
+    last = m.view.tables()[0].blocks[prompt_len // 4]  # holds position prompt_len, written next step
+    assert m.view.ref_count(last) == n + 1
     for s in seqs:
         m.append_slot(s)
     copies = m.pop_copies()
-    assert len(copies) == n == m.num_cow
+    assert len(copies) == n == m.view.num_cow
     assert all(src == last for src, _ in copies)
-    owners = [m.tables[s.seq_id].blocks[prompt_len // 4] for s in seqs]
+    owners = [m.view.tables()[s.seq_id].blocks[prompt_len // 4] for s in seqs]
     assert len(set(owners)) == n + 1 and owners[-1] == last  # the last writer kept the original
-    assert m.pool.ref_count[last] == 1
-    m.check_invariants()
+    assert m.view.ref_count(last) == 1
+    m.view.check_invariants()
 
 
 def test_the_invariant_check_sees_a_free_queue_that_disagrees_with_the_counts():
     from lesson_utils.memory.sharing import SharingBlockManager
 
-    m = SharingBlockManager(4, 2, watermark=0)
-    m.check_invariants()
-    del m.pool._free_queue[3]  # block 3 has count 0 but is no longer in the free queue: it is lost
+    pool = BlockPool(4)
+    m = SharingBlockManager(4, 2, watermark=0, pool=pool)
+    m.view.check_invariants()
+    del pool._free_queue[
+        3
+    ]  # corrupt the pool the test handed in: block 3 has count 0 but is no longer in the free queue: it is lost
     with pytest.raises(AssertionError, match="block 3: count 0, not in the free queue"):
-        m.check_invariants()
+        m.view.check_invariants()

@@ -40,6 +40,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule, run_state_machine_as_test
 
 from lesson_utils.core.types import OutOfBlocks, Sequence
+from lesson_utils.memory.block_pool import BlockPool
 from lesson_utils.memory.block_table import blocks_needed
 from lesson_utils.memory.sharing import SharingBlockManager
 
@@ -81,8 +82,10 @@ class SharingMachine(RuleBasedStateMachine):
     @initialize(block_size=st.sampled_from([1, 2, 4]), num_blocks=st.integers(16, 24))
     def setup(self, block_size, num_blocks):
         self.bs, self.n = block_size, num_blocks
-        self.m = SharingBlockManager(num_blocks, block_size, enable_prefix_caching=True, watermark=0.0)
-        pool = self.pool = self.m.pool
+        # the test builds the pool and hands it in, so it can watch the pool's own counts (the manager's door is
+        # its view; the pool is a part this test composes)
+        pool = self.pool = BlockPool(num_blocks, enable_caching=True)
+        self.m = SharingBlockManager(num_blocks, block_size, enable_prefix_caching=True, watermark=0.0, pool=pool)
         self.shadow: dict[int, list] = {b: [None] * block_size for b in range(num_blocks)}
         self.lru: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
         self.cached: dict[int, tuple[int, tuple[int, ...]]] = {}
@@ -114,7 +117,7 @@ class SharingMachine(RuleBasedStateMachine):
     def _state(self):
         """Everything a refused operation must leave untouched."""
         m = self.m
-        tables = {sid: (tuple(t.blocks), t.num_tokens) for sid, t in m.tables.items()}
+        tables = {sid: (tuple(t.blocks), t.num_tokens) for sid, t in m.view.tables().items()}
         return tables, tuple(self.pool.ref_count), dict(self.pool.hash_of), self.pool.num_free
 
     def _expected_hits(self, tokens: list[int]) -> list[int]:
@@ -133,7 +136,7 @@ class SharingMachine(RuleBasedStateMachine):
         """``cache_computed``: full computed blocks not offered before are registered, unless their hash
         (or the block) is known already."""
         m, bs = self.m, self.bs
-        table, tokens = m.tables[seq.seq_id], seq.token_ids
+        table, tokens = m.view.tables()[seq.seq_id], seq.token_ids
         full = min(seq.num_computed, len(tokens), table.num_tokens) // bs
         m.cache_computed(seq)
         known = {h for h, _ in self.cached.values()}
@@ -164,7 +167,7 @@ class SharingMachine(RuleBasedStateMachine):
             return
         free_before = pool.num_free
         m.allocate(seq)
-        table = m.tables[seq.seq_id]
+        table = m.view.tables()[seq.seq_id]
         assert table.blocks[: len(hits)] == hits, "prefix hits differ from the blocks that hold the prefix"
         assert seq.num_computed == len(hits) * self.bs < seq.len, "the last prompt token must be recomputed"
         assert table.num_tokens == seq.len and pool.num_free == free_before - need
@@ -246,7 +249,7 @@ class SharingMachine(RuleBasedStateMachine):
                     _seen("preempted a sequence that already made room")
                 self._preempt(batch.pop(index))
         for seq in batch:
-            table = m.tables[seq.seq_id]
+            table = m.view.tables()[seq.seq_id]
             assert table.num_tokens == seq.len + 1
             for p in (seq.len - 1, seq.len):  # the blocks written this step and next are exclusive
                 b = table.blocks[p // bs]
@@ -264,7 +267,7 @@ class SharingMachine(RuleBasedStateMachine):
             _seen("copy-on-write")
         # the forward: every token not yet in the cache is written through the table
         for seq in batch:
-            table, tokens = m.tables[seq.seq_id], seq.token_ids
+            table, tokens = m.view.tables()[seq.seq_id], seq.token_ids
             for p in range(seq.num_computed, seq.len):
                 b = table.blocks[p // bs]
                 assert pool.ref_count[b] == 1, f"position {p} of sequence {seq.seq_id} written into shared block {b}"
@@ -297,7 +300,7 @@ class SharingMachine(RuleBasedStateMachine):
         self.next_id += 1
         counts, free_before = list(pool.ref_count), pool.num_free
         m.fork(parent.seq_id, child.seq_id)
-        pt, ct = m.tables[parent.seq_id], m.tables[child.seq_id]
+        pt, ct = m.view.tables()[parent.seq_id], m.view.tables()[child.seq_id]
         assert pool.num_free == free_before, "fork allocated"
         assert ct.blocks == pt.blocks and ct.blocks is not pt.blocks and ct.num_tokens == pt.num_tokens
         for b in range(self.n):
@@ -313,7 +316,7 @@ class SharingMachine(RuleBasedStateMachine):
         m, pool = self.m, self.pool
         live = {**self.running, **self.admitted}
         seq = live[data.draw(st.sampled_from(sorted(live)), label="finishes")]
-        blocks, counts = list(m.tables[seq.seq_id].blocks), list(pool.ref_count)
+        blocks, counts = list(m.view.tables()[seq.seq_id].blocks), list(pool.ref_count)
         m.free(seq.seq_id)
         self.running.pop(seq.seq_id, None)
         self.admitted.pop(seq.seq_id, None)
@@ -333,25 +336,27 @@ class SharingMachine(RuleBasedStateMachine):
         if m is None:
             return
         pool, bs = self.pool, self.bs
-        m.check_invariants()
+        m.view.check_invariants()
         # counts: equal to holders; free exactly at zero; the free set is the LRU model's
         held: dict[int, int] = {}
-        for t in m.tables.values():
+        for t in m.view.tables().values():
             for b in t.blocks:
                 held[b] = held.get(b, 0) + 1
         assert [pool.ref_count[b] for b in range(self.n)] == [held.get(b, 0) for b in range(self.n)]
         assert {b for b in range(self.n) if pool.is_free(b)} == set(self.lru) == set(range(self.n)) - set(held)
         assert pool.num_free == len(self.lru) and pool.num_used == len(held)
         # who holds what
-        assert set(m.tables) == set(self.running) | set(self.admitted)
+        assert set(m.view.tables()) == set(self.running) | set(self.admitted)
         assert not set(self.running) & set(self.admitted)
-        assert all(s.seq_id not in m.tables and s.num_computed == 0 for s in self.waiting)
+        assert all(s.seq_id not in m.view.tables() and s.num_computed == 0 for s in self.waiting)
         for sid, seq in self.running.items():
-            assert m.tables[sid].num_tokens == seq.len and seq.num_computed == seq.len - 1
+            assert m.view.tables()[sid].num_tokens == seq.len and seq.num_computed == seq.len - 1
         for sid, seq in self.admitted.items():
-            assert m.tables[sid].num_tokens == seq.len and seq.num_computed % bs == 0 and seq.num_computed < seq.len
+            assert (
+                m.view.tables()[sid].num_tokens == seq.len and seq.num_computed % bs == 0 and seq.num_computed < seq.len
+            )
         # contents: each sequence reads its own tokens through its own table
-        for sid, t in m.tables.items():
+        for sid, t in m.view.tables().items():
             seq = self.running.get(sid) or self.admitted[sid]
             tokens = seq.token_ids
             got = [self.shadow[t.blocks[p // bs]][p % bs] for p in range(seq.num_computed)]
@@ -366,10 +371,10 @@ class SharingMachine(RuleBasedStateMachine):
             assert h == chain_hash(prefix, bs)
         assert pool.num_cached_free == sum(1 for b in self.lru if b in self.cached)
         # accounting adds up
-        br = m.breakdown()
-        assert sum(br.values()) == m.total_slots and br["free"] == pool.num_free * bs
-        logical, physical = m.sharing()
-        assert logical == sum(len(t.blocks) for t in m.tables.values()) and physical == len(held)
+        br = m.view.breakdown()
+        assert sum(br.values()) == m.view.total_slots and br["free"] == pool.num_free * bs
+        logical, physical = m.view.sharing()
+        assert logical == sum(len(t.blocks) for t in m.view.tables().values()) and physical == len(held)
 
 
 MACHINE_SETTINGS = settings(max_examples=50, stateful_step_count=60, deadline=None)
@@ -421,9 +426,9 @@ def test_a_preempted_sequence_is_readmitted_on_its_own_cached_prefix():
     m.allocate(seq)
     seq.num_computed = seq.len
     m.cache_computed(seq)
-    held = list(m.block_table(0))
+    held = list(m.view.block_table(0))
     m.free(0)  # preempted by recompute
     seq.num_computed = 0
     assert m.num_free_blocks == 8
     m.allocate(seq)
-    assert seq.num_computed == 2 * bs and m.block_table(0)[:2] == held[:2]
+    assert seq.num_computed == 2 * bs and m.view.block_table(0)[:2] == held[:2]

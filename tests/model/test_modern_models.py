@@ -80,7 +80,7 @@ KINDS = [k.name for k in engine_kinds(exact=True)] + ["speculative (prompt looku
 
 def _all_free(engine) -> bool:
     m = engine.manager  # (the MemoryManager protocol: paged and contiguous alike)
-    return m.breakdown()[SlotKind.FREE] == m.total_slots
+    return m.view.breakdown()[SlotKind.FREE] == m.view.total_slots
 
 
 def test_the_dense_forward_matches_hf(modern):

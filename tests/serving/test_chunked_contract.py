@@ -75,7 +75,7 @@ def test_the_tight_workload_that_livelocked_finishes(policy):
     assert len(res.finished) == 8, (
         f"{policy.__name__}: {len(res.finished)} of 8 finished, {res.num_preemptions} preemptions"
     )
-    assert not manager.tables and manager.num_free_blocks == 14
+    assert not manager.view.tables() and manager.num_free_blocks == 14
     assert res.steps[-1] < 1_000
 
 
@@ -101,7 +101,7 @@ def test_every_victim_policy_makes_progress_under_chunking(lens, budget, spare, 
     assert sorted(s.seq_id for s in res.finished) == list(range(len(reqs))), (
         f"{policy.__name__}: {len(res.finished)} of {len(reqs)} finished in {len(res.steps)} steps"
     )
-    assert not manager.tables and manager.num_free_blocks == num_blocks
+    assert not manager.view.tables() and manager.num_free_blocks == num_blocks
 
 
 def test_a_policy_that_names_no_running_sequence_is_refused():
@@ -128,7 +128,7 @@ def _state(sch, manager):
         [s.seq_id for s in sch.running],
         [(s.num_computed, s.admitted_step) for s in sch.waiting],
         manager.num_free_blocks,
-        dict(manager.tables),
+        dict(manager.view.tables()),
     )
 
 
@@ -165,7 +165,7 @@ def test_a_wrong_plan_is_refused_and_changes_nothing(plan, error, words, sharing
     while sch.has_work and step < 500:
         serve_step(sch, runner, step)
         step += 1
-    assert len(sch.finished) == 3 and not manager.tables and manager.num_free_blocks == 16
+    assert len(sch.finished) == 3 and not manager.view.tables() and manager.num_free_blocks == 16
 
 
 def test_a_plan_that_raises_leaves_the_scheduler_as_it_was():

@@ -91,7 +91,7 @@ class BudgetRunner(simulator.AccountingRunner):
             assert all(s.len - s.num_computed == 1 for s in plan.scheduled), (
                 f"step {plan.step}: a chunk ran before a decode"
             )
-        self.sch.manager.check_invariants()
+        self.sch.manager.view.check_invariants()
         self.steps += 1
         self.max_tokens = max(self.max_tokens, total)
         return super().execute(plan)
@@ -126,7 +126,7 @@ def test_chunked_scheduling_keeps_the_budget_finishes_every_prompt_and_leaks_not
     assert sorted(s.seq_id for s in res.finished) == list(range(len(reqs)))
     for s in res.finished:
         assert s.num_generated == s.request.output_len and s.num_computed == s.len - 1
-    assert not manager.tables and manager.allocator.num_free == num_blocks
+    assert not manager.view.tables() and manager.num_free_blocks == num_blocks
     # without chunking the same requests generate the same lengths (the policy changes when, not what)
     plain = BlockManager(num_blocks, block_size, watermark=0.0)
     ref = simulator.simulate(reqs, plain, progress=False)
@@ -197,8 +197,8 @@ def test_chunked_engine_is_token_identical_to_hf(tiny, budget, caching):
     assert_identical(model, prompts, [hf_greedy(model, p, 8, w.eos_token_id, check_ties=False) for p in prompts], got)
     assert max(step.prefill_tokens for step in engine.stats) <= budget
     if caching:
-        assert manager.cached_prompt_tokens > 0  # the second shared prompt started after the first's blocks
-    assert not manager.tables and manager.pool.num_free == manager.num_blocks
+        assert manager.view.cached_prompt_tokens > 0  # the second shared prompt started after the first's blocks
+    assert not manager.view.tables() and manager.num_free_blocks == manager.view.num_blocks
 
 
 def test_chunked_engine_under_preemption_is_token_identical_to_hf(tiny):
@@ -212,7 +212,7 @@ def test_chunked_engine_under_preemption_is_token_identical_to_hf(tiny):
     got = engine.generate(prompts, 20)
     assert engine.scheduler.num_preemptions > 0
     assert_identical(model, prompts, [hf_greedy(model, p, 20, w.eos_token_id, check_ties=False) for p in prompts], got)
-    assert not engine.manager.tables and engine.manager.allocator.num_free == 16
+    assert not engine.manager.view.tables() and engine.manager.num_free_blocks == 16
 
 
 def test_a_long_prompt_no_longer_makes_one_step_long(tiny):
@@ -404,4 +404,4 @@ def test_a_beam_search_that_runs_out_of_blocks_under_chunking_fails_clearly_and_
     engine = Engine(w, PagedKVCache.for_model(w, manager=manager), chunked_prefill=ChunkedPrefill(8))
     with pytest.raises(OutOfBlocks, match="beam search ran out of blocks for its 4 beams"):
         engine.beam_search(prompt, 4, 12)
-    assert not manager.tables and manager.num_free_blocks == 6 and not engine.scheduler.has_work
+    assert not manager.view.tables() and manager.num_free_blocks == 6 and not engine.scheduler.has_work

@@ -69,7 +69,7 @@ def spy_on_frees(manager: BlockManager) -> dict[int, tuple[int, int]]:
     free_seq = manager.free
 
     def spy(seq_id: int):
-        t = manager.tables[seq_id]
+        t = manager.view.tables()[seq_id]
         seen[seq_id] = (len(t.blocks), t.num_tokens)
         return free_seq(seq_id)
 
@@ -78,10 +78,10 @@ def spy_on_frees(manager: BlockManager) -> dict[int, tuple[int, int]]:
 
 
 def assert_all_free(manager: BlockManager) -> None:
-    manager.check_invariants()
-    assert not manager.tables
-    assert manager.allocator.num_free == manager.num_blocks
-    assert all(manager.allocator.is_free(b) for b in range(manager.num_blocks))
+    manager.view.check_invariants()
+    assert not manager.view.tables()
+    assert manager.num_free_blocks == manager.view.num_blocks
+    assert all(manager.view.block_is_free(b) for b in range(manager.view.num_blocks))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -119,7 +119,7 @@ def test_engine_matches_hf(tiny, prompts, expected, block_size):
     if block_size > 1:
         assert any(tokens == blocks * block_size for blocks, tokens in seen.values())
     assert engine.stats[0].prefill_tokens == sum(PROMPT_LENS)  # everyone prefilled together in step 0
-    assert [s.free_blocks for s in engine.stats][-1] == cache.manager.num_blocks
+    assert [s.free_blocks for s in engine.stats][-1] == cache.manager.view.num_blocks
 
 
 def test_early_eos_stops_the_same_way_as_hf(tiny, prompts, expected):
@@ -162,12 +162,12 @@ def test_preemption_under_memory_pressure_keeps_outputs_identical(tiny):
     seqs = [engine.add_request(p, n_new) for p in batch]
     while engine.scheduler.has_work:
         engine.step()
-        cache.manager.check_invariants()
+        cache.manager.view.check_invariants()
         running = engine.scheduler.running
-        assert set(cache.manager.tables) == {s.seq_id for s in running}
+        assert set(cache.manager.view.tables()) == {s.seq_id for s in running}
         for s in running:  # a running sequence holds exactly its tokens, no more, no less
-            assert cache.manager.tables[s.seq_id].num_tokens == s.len
-        assert engine.stats[-1].free_blocks == cache.manager.allocator.num_free
+            assert cache.manager.view.tables()[s.seq_id].num_tokens == s.len
+        assert engine.stats[-1].free_blocks == cache.manager.num_free_blocks
     assert engine.scheduler.num_preemptions > 0
     assert sum(s.preempted for s in engine.stats) == engine.scheduler.num_preemptions
     assert any(s.preemptions > 0 for s in seqs)
@@ -185,7 +185,7 @@ def _simulate_paged(requests, slots: int, block_size: int):
     manager = BlockManager(slots // block_size, block_size)
     res = simulator.simulate(requests, manager, progress=False)
     assert sorted(r.req_id for r in requests) == [r.req_id for r in requests]
-    assert_simulation_complete(res, requests, manager.total_slots)
+    assert_simulation_complete(res, requests, manager.view.total_slots)
     assert_all_free(manager)  # no leaks
     assert not res.kinds["reserved"].any()
     return res

@@ -23,8 +23,7 @@ GOOD = [2, 17, 99, 140]
 
 def _all_free(engine) -> bool:
     m = engine.manager
-    free = m.pool.num_free if hasattr(m, "pool") else m.allocator.num_free
-    return free == m.num_blocks and not m.tables
+    return m.num_free_blocks == m.view.num_blocks and not m.view.tables()
 
 
 @pytest.fixture
@@ -223,7 +222,7 @@ def test_a_hand_over_into_a_full_decode_side_is_refused_and_leaks_nothing(tiny):
         hand_over(prefill, decode, Request(0, 0.0, 16, 4, prompt_ids=prompt))
     assert _all_free(decode) and _all_free(prefill) and not prefill.scheduler.held
     short = Engine(w, PagedKVCache.for_model(w, num_blocks=6, block_size=4))
-    short.manager.ensure_capacity(99, 12)  # 3 of 6 blocks held by no running request: nothing will free them
+    short.manager.blocks.reserve(99, 12)  # 3 of 6 blocks held by no running request: nothing will free them
     with pytest.raises(OutOfBlocks, match="nothing is decoding"):
         hand_over(prefill, short, Request(2, 0.0, 16, 4, prompt_ids=prompt))
     assert short.manager.num_free_blocks == 3 and _all_free(prefill) and not prefill.scheduler.held

@@ -38,7 +38,7 @@ from helpers import assert_simulation_complete, hf_greedy, reference_beam_search
 from lesson_utils.cache.paged import PagedKVCache
 from lesson_utils.lab import workloads
 from lesson_utils.memory.block_table import blocks_needed
-from lesson_utils.memory.sharing import SharingBlockManager, prefix_hits
+from lesson_utils.memory.sharing import SharingBlockManager
 from lesson_utils.serving import simulator
 from lesson_utils.serving.engine import Engine
 
@@ -56,9 +56,11 @@ def sharing_engine(w, num_blocks: int, *, caching: bool = True, watermark: float
 
 
 def assert_all_free(m: SharingBlockManager) -> None:
-    m.check_invariants()
-    assert not m.tables and m.pool.num_free == m.num_blocks
-    assert m.pool.ref_count == [0] * m.num_blocks and all(m.pool.is_free(b) for b in range(m.num_blocks))
+    m.view.check_invariants()
+    assert not m.view.tables() and m.num_free_blocks == m.view.num_blocks
+    assert [m.view.ref_count(b) for b in range(m.view.num_blocks)] == [0] * m.view.num_blocks and all(
+        m.view.block_is_free(b) for b in range(m.view.num_blocks)
+    )
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -109,9 +111,9 @@ def test_prefix_cache_one_after_another_matches_hf_and_caching_off(tiny, system_
     on, off = sharing_engine(w, plenty), sharing_engine(w, plenty, caching=False)
     computed: list[list[int]] = []
     for prompt, want in zip(prompts, expected):
-        cached_before = on.manager.cached_prompt_tokens
+        cached_before = on.manager.view.cached_prompt_tokens
         assert on.generate([prompt], N_NEW) == [want]
-        assert on.manager.cached_prompt_tokens - cached_before == expected_cached_tokens(prompt, computed)
+        assert on.manager.view.cached_prompt_tokens - cached_before == expected_cached_tokens(prompt, computed)
         assert off.generate([prompt], N_NEW) == [want]
         computed.append(prompt + want[:-1])  # the newest token is never fed back
         assert_all_free(on.manager)
@@ -119,11 +121,11 @@ def test_prefix_cache_one_after_another_matches_hf_and_caching_off(tiny, system_
     assert hits[1] == SYSTEM_LEN and hits[2] == SYSTEM_LEN - BS  # the bare system prompt: last block recomputed
     assert hits[len(USER_LENS)] == (len(prompts[0]) - 1) // BS * BS  # the duplicate
     assert hits[-1] > len(prompts[0])  # the follow-up hits into the first answer's blocks
-    assert off.manager.cached_prompt_tokens == 0 and not off.manager.pool.hash_of
-    assert on.manager.prompt_tokens == off.manager.prompt_tokens == sum(map(len, prompts))
-    assert on.manager.pool.hits > 0 and on.manager.pool.evictions == 0
+    assert off.manager.view.cached_prompt_tokens == 0 and not off.manager.view.cached_blocks()
+    assert on.manager.view.prompt_tokens == off.manager.view.prompt_tokens == sum(map(len, prompts))
+    assert on.manager.view.prefix_cache_stats().hits > 0 and on.manager.view.prefix_cache_stats().evictions == 0
     assert on.stats[-1].free_blocks == plenty
-    assert len(prefix_hits(on.manager.pool, system + [5], BS)) == SYSTEM_LEN // BS  # still findable
+    assert len(on.manager.view.prefix_hits(system + [5])) == SYSTEM_LEN // BS  # still findable
     assert_all_free(off.manager)
 
 
@@ -157,18 +159,20 @@ def test_prefix_cache_under_memory_pressure_matches_hf(tiny, system_prompts, sys
     seqs = [engine.add_request(p, N_NEW) for p in prompts]
     while engine.scheduler.has_work:
         engine.step()
-        m.check_invariants()
-        assert set(m.tables) == {s.seq_id for s in engine.scheduler.running}
+        m.view.check_invariants()
+        assert set(m.view.tables()) == {s.seq_id for s in engine.scheduler.running}
         for s in engine.scheduler.running:
-            assert m.tables[s.seq_id].num_tokens == s.len
+            assert m.view.tables()[s.seq_id].num_tokens == s.len
     assert [s.output_ids for s in seqs] == system_expected
     assert engine.scheduler.num_preemptions > 0
     assert any(pre > 0 and kv > 0 for _, pre, kv in admissions), "no preempted sequence restarted from the cache"
     assert any(pre == 0 and kv >= SYSTEM_LEN for _, pre, kv in admissions), "no late arrival hit the system prompt"
-    assert m.cached_prompt_tokens > 0
+    assert m.view.cached_prompt_tokens > 0
     assert_all_free(m)  # every count is 0 ...
-    assert m.pool.hash_of and m.pool.num_cached_free == len(m.pool.hash_of)  # ... yet the cache remembers
-    assert len(prefix_hits(m.pool, system + [5], BS)) == SYSTEM_LEN // BS
+    assert m.view.cached_blocks() and m.view.prefix_cache_stats().cached_free_blocks == len(
+        m.view.cached_blocks()
+    )  # ... yet the cache remembers
+    assert len(m.view.prefix_hits(system + [5])) == SYSTEM_LEN // BS
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -196,8 +200,8 @@ def test_parallel_sampling_greedy_samples_are_all_hf_greedy(tiny, sample_prompt)
     assert [s.output_ids for s in first.samples] == [want] * 4
     # the 4 samples share the prompt's 4 blocks; the 4th (positions 12..15) gets the first new token:
     # 3 of its 4 holders copy it, the last writes in place
-    assert engine.manager.num_cow == 3
-    assert engine.manager.prompt_tokens == SAMPLE_PROMPT_LEN  # the prompt was prefilled once
+    assert engine.manager.view.num_cow == 3
+    assert engine.manager.view.prompt_tokens == SAMPLE_PROMPT_LEN  # the prompt was prefilled once
     assert_all_free(engine.manager)
 
 
@@ -218,7 +222,7 @@ def _sample(w, prompt, seed):
     first = engine.add_request(prompt, N_NEW, n=4, temperature=1.0, seed=seed)
     engine.run()
     assert_all_free(engine.manager)
-    assert engine.manager.num_cow == 3
+    assert engine.manager.view.num_cow == 3
     return first.samples
 
 
@@ -254,20 +258,20 @@ def test_beam_search_matches_a_cache_free_reference(tiny, beam_prompts, caching)
     for prompt in beam_prompts:
         greedy = hf_greedy(model, prompt, N_NEW, w.eos_token_id)
         for k in (1, 2, 4):
-            cow_before = m.num_cow
+            cow_before = m.view.num_cow
             got, stats = engine.beam_search(prompt, k, N_NEW)
             assert got == reference_beam_search(model, prompt, k, N_NEW), f"k={k}, prompt of {len(prompt)}"
             assert len(got) == N_NEW
             if k == 1:
                 assert len(greedy) == N_NEW and got == greedy  # one beam is greedy decoding
-                assert stats["saving"] == 0.0 and m.num_cow == cow_before
+                assert stats["saving"] == 0.0 and m.view.num_cow == cow_before
             else:
-                assert stats["saving"] > 0 and m.num_cow > cow_before  # beams shared blocks, then diverged
+                assert stats["saving"] > 0 and m.view.num_cow > cow_before  # beams shared blocks, then diverged
             assert_all_free(m)
     if caching:  # later searches started from the cached prompt
-        assert m.cached_prompt_tokens > 0
+        assert m.view.cached_prompt_tokens > 0
     else:
-        assert m.cached_prompt_tokens == 0
+        assert m.view.cached_prompt_tokens == 0
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -284,15 +288,17 @@ def test_simulated_prefix_caching_on_a_shared_system_prompt_stream():
         m = SharingBlockManager(4000, 16, enable_prefix_caching=caching)
         res = simulator.simulate(requests, m, progress=False)
         assert sorted(r.req_id for r in requests) == [r.req_id for r in requests]
-        assert_simulation_complete(res, requests, m.total_slots)
+        assert_simulation_complete(res, requests, m.view.total_slots)
         assert_all_free(m)  # no leak
         assert not res.saturated.any() and res.num_preemptions == 0
-        held = (m.total_slots - res.kinds["free"]) / m.block_size
+        held = (m.view.total_slots - res.kinds["free"]) / m.view.block_size
         results[caching] = (m, res, held.mean())
     (on, res_on, held_on), (off, res_off, held_off) = results[True], results[False]
     assert np.array_equal(res_on.running, res_off.running)  # same schedule
-    assert off.cached_prompt_tokens == 0 and on.prompt_tokens == off.prompt_tokens
-    assert on.cached_prompt_tokens > 0.8 * on.prompt_tokens  # the 25 system-prompt blocks of each ~420-token prompt
+    assert off.view.cached_prompt_tokens == 0 and on.view.prompt_tokens == off.view.prompt_tokens
+    assert (
+        on.view.cached_prompt_tokens > 0.8 * on.view.prompt_tokens
+    )  # the 25 system-prompt blocks of each ~420-token prompt
     assert held_on < 0.4 * held_off, (held_on, held_off)
 
 

@@ -87,10 +87,10 @@ def test_the_forward_pass_allocates_nothing(tiny):
     cache = PagedKVCache.for_model(w, 8, 4)
     with pytest.raises(ValueError, match="sequence 7 holds no blocks.*reserve them first"):
         forward(w, StepBatch.build([7], [[2, 5, 6]], [0]), cache)
-    cache.manager.ensure_capacity(7, 3)
-    free = cache.manager.allocator.num_free
+    cache.manager.blocks.reserve(7, 3)
+    free = cache.manager.num_free_blocks
     forward(w, StepBatch.build([7], [[2, 5, 6]], [0]), cache)
-    assert cache.manager.allocator.num_free == free  # nothing taken during the forward pass
+    assert cache.manager.num_free_blocks == free  # nothing taken during the forward pass
     with pytest.raises(ValueError, match="sequence 7 holds slots for 3 tokens.*position 3"):
         forward(w, StepBatch.build([7], [[9]], [3]), cache)
 
@@ -114,7 +114,7 @@ def test_a_beam_search_is_served_beside_other_requests(tiny):
     for seq in others + [more]:
         assert seq.output_ids == hf_greedy(model, seq.request.prompt_ids, seq.request.output_len, w.eos_token_id)
     m = engine.manager
-    assert m.pool.num_free == m.num_blocks and not m.tables
+    assert m.num_free_blocks == m.view.num_blocks and not m.view.tables()
 
 
 def test_a_beam_search_that_runs_out_of_blocks_fails_clearly_and_leaves_nothing(tiny):
@@ -123,5 +123,5 @@ def test_a_beam_search_that_runs_out_of_blocks_fails_clearly_and_leaves_nothing(
     with pytest.raises(OutOfBlocks, match="beam search ran out of blocks for its 4 beams"):
         engine.beam_search([2] + list(range(10, 21)), 4, 12)
     m = engine.manager
-    assert m.pool.num_free == m.num_blocks and not m.tables and not engine.scheduler.has_work
+    assert m.num_free_blocks == m.view.num_blocks and not m.view.tables() and not engine.scheduler.has_work
     assert engine.generate([[2, 5, 6]], 4) == [hf_greedy(model, [2, 5, 6], 4, w.eos_token_id)]

@@ -124,7 +124,7 @@ def test_preempted_engine_matches_unconstrained_run_and_hf(tiny, prompts, expect
         fed = sum(t for t, _ in engine.fed)
         assert (fed == once) if mode == "swap" else (fed > once)  # ...unless recomputed
     if kind == "prefix-cache" and mode == "recompute":
-        assert engine.manager.cached_prompt_tokens > 0  # readmissions and shared prompts hit the cache
+        assert engine.manager.view.cached_prompt_tokens > 0  # readmissions and shared prompts hit the cache
 
 
 @pytest.mark.parametrize("kind", ["sharing", "prefix-cache"])
@@ -170,7 +170,7 @@ def test_a_pluggable_victim_policy_keeps_outputs_and_kv_exact(tiny, prompts, exp
     )
     assert got == [[e] * 3 for e in expected[:4]]
     assert engine.scheduler.events and {e.mode for e in engine.scheduler.events} == {mode}
-    assert engine.manager.num_cow > 0 and engine.watch.checked > 0
+    assert engine.manager.view.num_cow > 0 and engine.watch.checked > 0
     assert any(v is not most_recently_admitted(r) for r, v in engine.victim_log)  # the policy really differed
 
 

@@ -87,10 +87,9 @@ def fingerprint(engine) -> dict:
         "free": m.num_free_blocks,
     }
     if isinstance(m, BlockManager):
-        out["tables"] = {sid: (list(t.blocks), t.num_tokens) for sid, t in m.tables.items()}
-        alloc = m.allocator
-        out["free queue"] = list(alloc._free_queue)
-        out["pool"] = (list(getattr(alloc, "ref_count", [])), dict(getattr(alloc, "hash_of", {})))
+        out["tables"] = {sid: (list(t.blocks), t.num_tokens) for sid, t in m.view.tables().items()}
+        out["free queue"] = m.view.free_queue()
+        out["pool"] = ([m.view.ref_count(b) for b in range(m.view.num_blocks)], m.view.cached_blocks())
     else:
         out["reservations"] = (dict(m.start), list(m.allocator.holes))
     if engine.swap_space is not None:
@@ -104,11 +103,13 @@ def kv_contents(engine) -> dict:
     on the GPU side and in the swap space: what a refused step must also leave as it was."""
     m, cache, out = engine.manager, engine.cache, {}
     seqs = {s.seq_id: s for s in engine.scheduler.running}
-    for sid, table in m.tables.items():
+    for sid, table in m.view.tables().items():
         n = seqs[sid].num_computed if sid in seqs else table.num_tokens
         for kind in cache.slot_tensors:
             for layer, (k, v) in enumerate(zip(kind.k, kind.v)):
-                flat = [table.blocks[p // m.block_size] * m.block_size + p % m.block_size for p in range(n)]
+                flat = [
+                    table.blocks[p // m.view.block_size] * m.view.block_size + p % m.view.block_size for p in range(n)
+                ]
                 out[(sid, kind.name, layer)] = torch.stack([k.flatten(0, 1)[flat], v.flatten(0, 1)[flat]]).clone()
     space = engine.swap_space
     if space is not None:
@@ -162,10 +163,10 @@ def _serve(engine, workload, poison_at, poison_prompt, kind):
 def _all_free(engine) -> None:
     m = engine.manager
     if isinstance(m, BlockManager):
-        m.check_invariants()
-        assert not m.tables and m.num_free_blocks == m.num_blocks
+        m.view.check_invariants()
+        assert not m.view.tables() and m.num_free_blocks == m.view.num_blocks
     else:
-        assert not m.start and m.allocator.free_slots == m.total_slots
+        assert not m.start and m.allocator.free_slots == m.view.total_slots
     if engine.swap_space is not None:
         assert not engine.swap_space.cpu_tables
 
@@ -348,9 +349,9 @@ def test_a_refused_step_that_evicted_a_cached_prefix_puts_its_data_back(poisoned
             with pytest.raises(ValueError, match=str(bad.seq_id)):
                 engine.step()
             engine.abort_request(bad)
-        hits_before = engine.manager.pool.hits
+        hits_before = engine.manager.view.prefix_cache_stats().hits
         out = engine.generate([system + [21]], 6)
-        assert engine.manager.pool.hits - hits_before == 2  # both system-prompt blocks found
+        assert engine.manager.view.prefix_cache_stats().hits - hits_before == 2  # both system-prompt blocks found
         return out
 
     assert serve(True) == serve(False)

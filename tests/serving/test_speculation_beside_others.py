@@ -76,7 +76,7 @@ def _serve(engine: Engine, workload, new: int):
 
 def _all_free(engine) -> bool:
     m = engine.manager
-    return m.num_free_blocks == m.num_blocks and not m.tables_now()
+    return m.num_free_blocks == m.view.num_blocks and not m.view.tables_now()
 
 
 def _check_beside_speculation(w, kind: str, workload, new: int, k: int) -> None:

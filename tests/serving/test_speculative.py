@@ -107,7 +107,7 @@ PAGED_KINDS = [k.name for k in engine_kinds(paged=True)]
 
 def _all_free(engine) -> bool:
     m = engine.manager
-    return m.num_free_blocks == m.num_blocks and not m.tables_now()
+    return m.num_free_blocks == m.view.num_blocks and not m.view.tables_now()
 
 
 @pytest.mark.parametrize("kind", PAGED_KINDS)
@@ -142,7 +142,7 @@ def test_a_rollback_gives_back_the_blocks_only_rejected_drafts_used(tiny):
     while engine.scheduler.has_work:
         engine.step()
         if not seq.is_finished:
-            blocks = engine.manager.block_table(seq.seq_id)
+            blocks = engine.manager.view.block_table(seq.seq_id)
             assert len(blocks) == -(-seq.len // 4), (seq.len, blocks)
             assert seq.num_computed == seq.len - 1
         peak = max(peak, 40 - engine.manager.num_free_blocks)
@@ -358,8 +358,8 @@ def test_the_target_drafting_for_itself_has_every_draft_kept(tiny):
     assert engine.generate(prompts, 12) == want and _all_free(engine)
     verified = engine.scheduler.verified
     assert verified and all(a == d for *_, d, a in verified)  # the same model: every draft is what it would say
-    assert not draft.engine.manager.tables_now()  # the draft engine holds no table between calls
-    assert draft.engine.manager.cached_prompt_tokens > 0  # later calls found their context's blocks by hash
+    assert not draft.engine.manager.view.tables_now()  # the draft engine holds no table between calls
+    assert draft.engine.manager.view.cached_prompt_tokens > 0  # later calls found their context's blocks by hash
 
 
 def test_another_draft_model_keeps_greedy_identity_and_leaks_nothing(tiny):
@@ -418,6 +418,6 @@ def test_a_draft_model_keeps_greedy_identity_on_every_engine_kind(tiny, kind):
     for k in (2, 6):
         engine = make(stop_at_eos=False, speculation=Speculation(k, draft))
         assert engine.generate(prompts, 12) == want, (kind, k)
-        assert _all_free(engine) and not draft.engine.manager.tables_now()
+        assert _all_free(engine) and not draft.engine.manager.view.tables_now()
         if engine_kind(kind).short:
             assert engine.scheduler.num_preemptions > 0
