@@ -55,7 +55,7 @@ class StepCheckpoint:
                 groups.setdefault(id(seq.beam), seq.beam)
         space = scheduler.swap_space
         return cls(
-            [capture(scheduler), *map(capture, seqs.values()), *map(capture, groups.values())],
+            [*map(capture, scheduler.stateful_parts()), *map(capture, seqs.values()), *map(capture, groups.values())],
             scheduler.manager.snapshot(),
             space.snapshot() if space is not None else None,
             cache,

@@ -16,15 +16,11 @@ from __future__ import annotations
 from collections import deque
 from typing import Callable
 
-from lesson_utils.core.types import MemoryManager, OutOfBlocks, Sequence, SequenceStatus, SlotKind, is_int
-from lesson_utils.serving.output import SeqFeed, StepPlan
-from lesson_utils.serving.preemption import (
-    PreemptionEvent,
-    checked_victim,
-    most_recently_admitted,
-    reset_for_recompute,
-)
-from lesson_utils.serving.settlement import SettlesSteps
+from lesson_utils.core.types import MemoryManager, Sequence, SequenceStatus, SlotKind, is_int
+from lesson_utils.serving.output import RunnerOutput, SeqFeed, StepPlan
+from lesson_utils.serving.preemption import Preemption, PreemptionEvent, most_recently_admitted, reset_for_recompute
+from lesson_utils.serving.queues import Queues, in_queues
+from lesson_utils.serving.settlement import Settlement
 from lesson_utils.serving.speculative import Speculation
 from lesson_utils.serving.token_budget import ChunkedPrefill, QueueView, TokenState, check_chunks, whole_prompts
 
@@ -34,7 +30,7 @@ def _positive(value, what: str) -> None:
         raise ValueError(f"{what} must be a positive int, got {value!r}")
 
 
-class FCFSScheduler(SettlesSteps):
+class FCFSScheduler:
     """First come, first served, at iteration level (Orca's idea: a batch changes every step).
 
     One loop each step (:meth:`schedule`): sequences swapped out to CPU come back first, in the order they left,
@@ -48,11 +44,18 @@ class FCFSScheduler(SettlesSteps):
     If a sequence cannot grow because memory ran out (paging reserves nothing ahead), a victim is preempted, by
     ``"recompute"`` or ``"swap"`` (:mod:`~lesson_utils.serving.preemption`); lesson 11's drafts go before anyone.
 
-    After the runner has computed the plan, :meth:`update_from_output` advances every computed count, samples and
-    appends the due tokens (the one place a token is born), registers full computed blocks in the prefix cache,
-    forks parallel samples, advances beam groups, and frees what finished - or, on lesson 09's prefill side
-    (``hold_finished``), holds it until :meth:`release`, once its K/V have been sent.
+    After the runner has computed the plan, :meth:`update_from_output` settles it (its :class:`Settlement`): every
+    computed count advances, the due tokens are sampled and appended (the one place a token is born), full computed
+    blocks enter the prefix cache, parallel samples fork, beam groups advance, and what finished is freed - or, on
+    lesson 09's prefill side (``hold_finished``), held until :meth:`release`, once its K/V have been sent. The two
+    halves share the :class:`~lesson_utils.serving.queues.Queues` and nothing else.
     """
+
+    waiting = in_queues("waiting")
+    running = in_queues("running")
+    swapped = in_queues("swapped")
+    finished = in_queues("finished")
+    held = in_queues("held")
 
     def __init__(
         self,
@@ -86,17 +89,13 @@ class FCFSScheduler(SettlesSteps):
             raise ValueError("chunked prefill preempts by recompute here (preemption_mode='recompute')")
         self.manager, self.max_num_seqs = manager, max_num_seqs
         self.preemption_mode, self.swap_space = preemption_mode, swap_space
+        self.queues = Queues()
+        self.preemption = Preemption(
+            self.queues, manager, preemption_mode, swap_space, choose_victim, reset, protect_oldest=chunked is not None
+        )
         self.chunked = chunked
         self.max_num_batched_tokens = chunked.budget if chunked else max_num_batched_tokens
         self.plan_fn: Callable = chunked.plan_fn if chunked else whole_prompts
-        self.choose_victim, self.reset = choose_victim, reset
-        self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []
-        self.swapped: deque[Sequence] = deque()
-        self.finished: list[Sequence] = []
-        # lesson 09's prefill side (``hold_finished``): a finished sequence keeps its blocks here until release()
-        self.hold_finished = hold_finished
-        self.held: dict[int, Sequence] = {}
         if speculation is not None and not isinstance(speculation, Speculation):
             raise TypeError(f"speculation is a Speculation(k, propose), got {type(speculation).__name__}")
         budget = chunked.budget if chunked else max_num_batched_tokens
@@ -110,16 +109,52 @@ class FCFSScheduler(SettlesSteps):
         self.vocab_size = vocab_size  # the verifying model's vocabulary: a draft's ids must be in it (None: unchecked)
         # an engine's plans carry what the model runner feeds (SeqFeed); a simulation's, counts only
         self.plan_feeds = plan_feeds
-        self.verified: list[tuple[int, int, int, int]] = []  # (step, seq_id, drafted, accepted) per verification
-        self.events: list[PreemptionEvent] = []
-        self.observe: Callable[[StepPlan], None] | None = None  # the simulator's hook: after the tokens, before frees
-        self._step = 0
         self._next_id = 0
+        # lesson 09's prefill side (``hold_finished``): a finished sequence keeps its blocks until release()
+        self.settlement = Settlement(self.queues, manager, self.new_seq_id, speculation, hold_finished=hold_finished)
+
+    # ---- the settling half (serving/settlement.py) --------------------------------------------------------------
+    def update_from_output(self, plan: StepPlan, output: RunnerOutput) -> list[Sequence]:
+        """Settle the step with what the runner computed (:meth:`Settlement.settle`); returns the sequences that
+        finished."""
+        return self.settlement.settle(plan, output)
+
+    def finish(self, seq: Sequence, step: int) -> None:
+        """``seq`` finished at ``step`` (:meth:`Settlement.finish`): it leaves ``running`` for ``finished`` and its
+        memory is freed, or held on lesson 09's prefill side. Lesson 07's exercise calls it."""
+        self.settlement.finish(seq, step)
+
+    @property
+    def hold_finished(self) -> bool:
+        return self.settlement.hold_finished
+
+    @property
+    def verified(self) -> list[tuple[int, int, int, int]]:
+        """Lesson 11: ``(step, seq_id, drafted, accepted)`` per verification so far."""
+        return self.settlement.verified
+
+    @property
+    def observe(self) -> Callable[[StepPlan], None] | None:
+        """The simulator's hook, called with each settled plan after its tokens are in, before anything is freed."""
+        return self.settlement.observe
+
+    @observe.setter
+    def observe(self, hook: Callable[[StepPlan], None] | None) -> None:
+        self.settlement.observe = hook
+
+    def stateful_parts(self) -> list:
+        """Every object whose attributes hold this scheduler's state (what a step checkpoint captures)."""
+        return [self, self.queues, self.settlement, self.preemption]
 
     def new_seq_id(self) -> int:
         """A sequence id no sequence of this scheduler has had (requests, forked samples, beams)."""
         self._next_id += 1
         return self._next_id - 1
+
+    @property
+    def events(self) -> list[PreemptionEvent]:
+        """Every preemption so far (:class:`~lesson_utils.serving.preemption.Preemption`)."""
+        return self.preemption.events
 
     @property
     def num_preemptions(self) -> int:
@@ -187,11 +222,10 @@ class FCFSScheduler(SettlesSteps):
         room for every token about to be sampled, preempting if memory is short. A plan the policy gets wrong is
         refused naming it, and its admissions are undone. Raises ``RuntimeError`` when nothing can run although
         requests wait: the head request does not fit even into an empty cache."""
-        self._step = step
         swap_in, swap_out = [], []
-        self._swap_out = swap_out
-        if self.chunked is None and self.swapped:
-            swap_in = self._swap_in(step, {})  # {cpu: gpu} this step's swap-ins moved: a shared block moves once
+        if self.chunked is None and self.swapped:  # {cpu: gpu} this step's swap-ins moved: a shared block moves once
+            left = None if self.max_num_batched_tokens is None else self.max_num_batched_tokens - len(self.running)
+            swap_in = self.preemption.swap_in(step, {}, self._room_for_another, left)
         admitted: list[Sequence] = []
         saved: dict[int, tuple[int, int | None]] = {}  # seq_id -> (num_computed, admitted_step) before admission
 
@@ -235,7 +269,8 @@ class FCFSScheduler(SettlesSteps):
         for s, c in zip(seqs, chunks):
             if s.draft and c.end < s.len + len(s.draft):  # a budget that cuts a draft verifies what fits
                 del s.draft[max(0, c.end - s.len) :]
-        preempted = self._make_room([s for s, c in zip(seqs, chunks) if c.end == s.len + len(s.draft)], {})
+        samplers = [s for s, c in zip(seqs, chunks) if c.end == s.len + len(s.draft)]
+        preempted = self.preemption.make_room(samplers, {}, step, swap_out)
         running = {id(r) for r in self.running}
         # (a draft dropped for want of memory shortens its chunk: what is fed ends at the planned length)
         kept = [(s, c.start, min(c.end, s.len + len(s.draft))) for s, c in zip(seqs, chunks) if id(s) in running]
@@ -292,25 +327,6 @@ class FCFSScheduler(SettlesSteps):
                 left = self.max_num_batched_tokens - sum(s.len - s.num_computed for s in self.running)
             self.speculation.draft_running(self.running, left, self.vocab_size)
 
-    def _swap_in(self, step: int, moved: dict[int, int]) -> list[tuple[int, int]]:
-        """Swapped sequences back, in the order they left, while their blocks (and the token budget) allow."""
-        copies: list[tuple[int, int]] = []
-        watermark = self.manager.watermark_blocks
-        left = None if self.max_num_batched_tokens is None else self.max_num_batched_tokens - len(self.running)
-        while self.swapped and self._room_for_another():
-            seq = self.swapped[0]
-            if left is not None and seq.len - seq.num_computed > left and self.running:
-                break
-            if not self.swap_space.can_swap_in(self.manager, seq.seq_id, watermark if self.running else 0):
-                break
-            copies += self.swap_space.swap_in(self.manager, seq.seq_id, moved)
-            self.swapped.popleft()
-            seq.admitted_step, seq.status = step, SequenceStatus.RUNNING
-            self.running.append(seq)
-            if left is not None:
-                left -= seq.len - seq.num_computed
-        return copies
-
     def _undo_admissions(self, admitted: list[Sequence], saved: dict[int, tuple[int, int | None]]) -> None:
         """Give back what this step's admissions took: blocks freed, each sequence back at the head of the queue
         in its old order, with the computed count and admission step it had."""
@@ -321,58 +337,3 @@ class FCFSScheduler(SettlesSteps):
             self.running = [s for s in self.running if s is not seq]
             self.waiting.appendleft(seq)
         admitted.clear()
-
-    def _make_room(self, samplers: list[Sequence], moved: dict[int, int]) -> list[Sequence]:
-        """A slot for the token each of ``samplers`` is about to get, preempting while memory is short; returns
-        the sequences preempted (a preempted sequence's chunk is dropped)."""
-        preempted, i = [], 0
-        while i < len(samplers):
-            try:
-                self.manager.append_slot(samplers[i], len(samplers[i].draft))
-                i += 1
-            except OutOfBlocks as err:
-                if samplers[i].draft:  # speculation never preempts anyone: the draft goes first
-                    samplers[i].draft = []
-                    continue
-                victim = self._victim()
-                if victim.beam is not None:  # a beam cannot wait while its group goes on: the search fails
-                    raise OutOfBlocks(
-                        f"beam search ran out of blocks for its {len(victim.beam.beams)} beams: {err}"
-                    ) from err
-                self.running = [s for s in self.running if s is not victim]
-                if any(s is victim for s in samplers[:i]):
-                    i -= 1
-                samplers = [s for s in samplers if s is not victim]
-                self._preempt(victim, moved)
-                preempted.append(victim)
-                for b in [b for b in moved if self.manager.view.block_is_free(b)]:
-                    del moved[b]  # freed: it may be handed out again this step, and then holds something else
-        return preempted
-
-    def _victim(self) -> Sequence:
-        return checked_victim(self.running, self.choose_victim, protect_oldest=self.chunked is not None)
-
-    def _preempt(self, victim: Sequence, moved: dict[int, int]) -> None:
-        """Push ``victim`` out: to the swap space, or back to the queue to be recomputed. Whatever this step reserved
-        for it first goes back (its draft and the slots reserved for it, and for the token it was about to get): a
-        swapped table holds exactly its ``len`` tokens' slots, as between steps."""
-        victim.draft = []
-        note = ""
-        if self.preemption_mode == "swap":
-            self.manager.trim(victim.seq_id, victim.len)  # (recompute frees the whole table below)
-            if self.swap_space.can_swap_out(self.manager, victim.seq_id, moved):
-                self._swap_out += self.swap_space.swap_out(self.manager, victim.seq_id, moved)
-                victim.preemptions += 1
-                victim.status = SequenceStatus.SWAPPED
-                self.swapped.append(victim)
-                self.events.append(PreemptionEvent(self._step, victim.seq_id, "swap"))
-                return
-            note = (
-                f"swap space full ({self.swap_space.num_free} of {self.swap_space.num_blocks} CPU blocks free): "
-                f"fell back to recompute"
-            )
-        self.manager.free(victim.seq_id)
-        self.reset(victim)
-        victim.status = SequenceStatus.WAITING
-        self.waiting.appendleft(victim)
-        self.events.append(PreemptionEvent(self._step, victim.seq_id, "recompute", note))

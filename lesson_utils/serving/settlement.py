@@ -1,5 +1,5 @@
-"""The scheduler's second half (:class:`~lesson_utils.serving.scheduler.FCFSScheduler` inherits it): settling a
-step once the runner has computed its plan - ``update_from_output``, the one place a token is born.
+"""Settling a step once the runner has computed its plan - :meth:`Settlement.settle` (the scheduler's
+``update_from_output``), the one place a token is born.
 
 Every scheduled sequence's computed count advances; full computed blocks enter the prefix cache; a parent that has
 just prefilled forks its parallel samples; every due sequence gets its verdict from ONE read of the logits (a
@@ -11,20 +11,39 @@ every step: a step in which some sequence verifies drafts forks, caches and fini
 from __future__ import annotations
 
 from itertools import accumulate
+from typing import Callable
 
-from lesson_utils.core.types import Sequence, SequenceStatus
+from lesson_utils.core.types import MemoryManager, Sequence, SequenceStatus
 from lesson_utils.serving.forks import fork_samples
 from lesson_utils.serving.output import RunnerOutput, StepPlan
-from lesson_utils.serving.speculative import keep_verified
+from lesson_utils.serving.queues import Queues
+from lesson_utils.serving.speculative import Speculation, keep_verified
 from lesson_utils.serving.token_verdicts import DueRows, verdicts
 
 
-class SettlesSteps:
-    """``update_from_output`` and what it needs, on the scheduler's own state (``running``, ``manager``,
-    ``finished``, ``held``, ``verified``, ``speculation``, ``observe``, ``new_seq_id``)."""
+class Settlement:
+    """A scheduler's settling half. It shares one state with the planning half, the :class:`Queues` (who runs, who
+    finished, who is held); everything else it is handed: the memory manager it frees and forks through, the id
+    source for forked samples and beams, lesson 11's speculation (its acceptance and rollback rules) and lesson 09's
+    ``hold_finished``. It keeps what it records: ``verified`` (one ``(step, seq_id, drafted, accepted)`` per
+    verification) and the simulator's ``observe`` hook."""
+
+    def __init__(
+        self,
+        queues: Queues,
+        manager: MemoryManager,
+        new_seq_id: Callable[[], int],
+        speculation: Speculation | None = None,
+        *,
+        hold_finished: bool = False,
+    ):
+        self.queues, self.manager, self.new_seq_id = queues, manager, new_seq_id
+        self.speculation, self.hold_finished = speculation, hold_finished
+        self.verified: list[tuple[int, int, int, int]] = []
+        self.observe: Callable[[StepPlan], None] | None = None  # the simulator's hook: after the tokens, before frees
 
     # ---- after the forward pass -----------------------------------------------------------------------------
-    def update_from_output(self, plan: StepPlan, output: RunnerOutput) -> list[Sequence]:
+    def settle(self, plan: StepPlan, output: RunnerOutput) -> list[Sequence]:
         """Settle the step with what the runner computed; returns the sequences that finished.
 
         One loop for every step, whether or not some sequence verified drafts in it:
@@ -63,7 +82,7 @@ class SettlesSteps:
                 self.manager.cache_computed(seq)  # only now: its rejected drafts' blocks are gone
             else:
                 seq.append_token(tokens[0], plan.step)
-        for seq in [*plan.scheduled, *self.running]:  # (one the budget left out drafted for nothing)
+        for seq in [*plan.scheduled, *self.queues.running]:  # (one the budget left out drafted for nothing)
             seq.draft = []
         rows = {  # the beams' logits rows: their group chooses (None: a simulation)
             id(d.seq): (None if logits is None else logits[d.first]) for d in dues if d.seq.beam is not None
@@ -74,12 +93,13 @@ class SettlesSteps:
         """Beams advance, finished sequences free their memory (or are held, lesson 09); returns the finished."""
         if self.observe is not None:
             self.observe(plan)
-        for group in list({id(s.beam): s.beam for s in self.running if s.beam is not None}.values()):
+        queues = self.queues
+        for group in list({id(s.beam): s.beam for s in queues.running if s.beam is not None}.values()):
             if all(id(b) in rows for b in group.beams):
                 group.advance([rows[id(b)] for b in group.beams], plan.step, self.manager, self.new_seq_id)
                 # the group's beams run next step in the order chosen, after everyone else
-                self.running = [s for s in self.running if s.beam is not group] + group.beams
-        done = [s for s in self.running if s.is_finished]
+                queues.running = [s for s in queues.running if s.beam is not group] + group.beams
+        done = [s for s in queues.running if s.is_finished]
         for seq in done:
             self.finish(seq, plan.step)
         for group in {id(s.beam): s.beam for s in done if s.beam is not None}.values():
@@ -90,19 +110,20 @@ class SettlesSteps:
         """``seq`` finished at ``step``: it leaves ``running`` for ``finished`` and its memory is freed - or, on lesson
         09's prefill side (``hold_finished``), held until :meth:`release` once its K/V have been sent. Lesson 07's
         exercise calls it for every sequence its update finds finished."""
-        if not any(s is seq for s in self.running):
+        queues = self.queues
+        if not any(s is seq for s in queues.running):
             raise ValueError(f"sequence {seq.seq_id} is not running, so it cannot finish (finished twice?)")
         if self.hold_finished:  # its blocks are still to be sent (lesson 09): release() frees them
-            self.held[seq.seq_id] = seq
+            queues.held[seq.seq_id] = seq
         else:
             self.manager.free(seq.seq_id)
         seq.finished_step, seq.status = step, SequenceStatus.FINISHED
-        self.finished.append(seq)
-        self.running = [s for s in self.running if s is not seq]
+        queues.finished.append(seq)
+        queues.remove_running(seq)
 
     def _fork(self, parent: Sequence) -> list[Sequence]:
         """Parallel sampling, after the parent's prefill: its n - 1 siblings share its blocks and join the running
         batch; each draws its first token in the step's one sampling call."""
         children = fork_samples(parent, self.manager, self.new_seq_id)
-        self.running += children
+        self.queues.running += children
         return children

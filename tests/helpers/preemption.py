@@ -253,16 +253,30 @@ class CheckedScheduler(FCFSScheduler):
         self.last_admitted: list[Sequence] = []
         self.children: list[int] = []
         self._next_id = 10_000  # forked samples get ids far from the requests'
+        preempt = self.preemption.preempt
+
+        def recording_preempt(victim, moved, step, swap_out):
+            self.victims.append(victim.seq_id)
+            if self.swap_space is not None:  # what the swap moves: its len tokens' blocks (the lookahead trimmed)
+                kept = blocks_needed(victim.len, self.manager.view.block_size)
+                blocks = self.manager.view.block_table(victim.seq_id)[:kept]
+                self.fits_at_preemption.append(
+                    self.swap_space.distinct_new_blocks(blocks, moved) <= self.swap_space.num_free
+                )
+            preempt(victim, moved, step, swap_out)
+
+        self.preemption.preempt = recording_preempt
 
     def add(self, seq):
         n = seq.request.tags.get("n", 1)  # parallel sampling, as the engine does it: the scheduler forks after
         seq.pending_forks, seq.samples = n - 1, [seq]  # the prefill (the simulator's sequences ask for none)
         super().add(seq)
 
-    def _fork(self, parent):
-        children = super()._fork(parent)
-        self.children += [c.seq_id for c in children]
-        return children
+    def update_from_output(self, plan, output):
+        samples = [(s, len(s.samples)) for s in plan.scheduled]
+        done = super().update_from_output(plan, output)
+        self.children += [c.seq_id for s, n in samples for c in s.samples[n:]]  # forked in this step
+        return done
 
     def schedule(self, step):
         swapped, waiting = list(self.swapped), list(self.waiting)
@@ -288,14 +302,6 @@ class CheckedScheduler(FCFSScheduler):
         assert victim.admitted_step == latest, f"victim admitted at step {victim.admitted_step}, the latest at {latest}"
         assert all(s.admitted_step < latest for s in running[i + 1 :]), "not the last of those admitted latest"
         return victim
-
-    def _preempt(self, victim, moved):
-        self.victims.append(victim.seq_id)
-        if self.swap_space is not None:  # what the swap moves: its len tokens' blocks (this step's lookahead trimmed)
-            kept = blocks_needed(victim.len, self.manager.view.block_size)
-            need = self.swap_space.distinct_new_blocks(self.manager.view.tables()[victim.seq_id].blocks[:kept], moved)
-            self.fits_at_preemption.append(need <= self.swap_space.num_free)
-        super()._preempt(victim, moved)
 
 
 class CheckingRunner(simulator.AccountingRunner):

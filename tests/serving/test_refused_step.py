@@ -83,6 +83,7 @@ def fingerprint(engine) -> dict:
             for s in seqs
         },  # fmt: skip
         "events": len(sch.events),
+        "verified": list(sch.verified),
         "step": (engine._step, len(engine.stats)),
         "free": m.num_free_blocks,
     }
@@ -302,7 +303,7 @@ def _step_and_retry_once(engine) -> int:
         return 1
 
 
-PRESSURED = ["recompute", "swap", "prefix cache, short", "int8, swap", "forks"]
+PRESSURED = ["recompute", "swap", "prefix cache, short", "int8, swap", "forks", "speculative (k = 3)"]
 
 
 @pytest.mark.parametrize("kind", PRESSURED)
