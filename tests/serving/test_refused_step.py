@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 from lesson_utils.cache.paged import PagedKVCache
 from lesson_utils.cache.quantize import KVQuantError
-from lesson_utils.core.types import SequenceStatus
+from lesson_utils.core.types import SequenceStatus, SlotKind
 from lesson_utils.lab.engine_kinds import EngineKind, engine_kind, engine_kinds
 from lesson_utils.memory.block_manager import BlockManager
 from lesson_utils.memory.sharing import SharingBlockManager
@@ -92,7 +92,8 @@ def fingerprint(engine) -> dict:
         out["free queue"] = m.view.free_queue()
         out["pool"] = ([m.view.ref_count(b) for b in range(m.view.num_blocks)], m.view.cached_blocks())
     else:
-        out["reservations"] = (dict(m.start), list(m.allocator.holes))
+        # every slot's kind shows where each reservation starts and ends, and where the holes are
+        out["reservations"] = ({s.seq_id: m.placement(s.seq_id) for s in sch.running}, m.view.slot_kinds().tolist())
     if engine.swap_space is not None:
         sp = engine.swap_space
         out["swap"] = ({s: list(t.blocks) for s, t in sp.cpu_tables.items()}, list(sp.pool._free_queue))
@@ -167,7 +168,7 @@ def _all_free(engine) -> None:
         m.view.check_invariants()
         assert not m.view.tables() and m.num_free_blocks == m.view.num_blocks
     else:
-        assert not m.start and m.allocator.free_slots == m.view.total_slots
+        assert m.view.breakdown()[SlotKind.FREE] == m.view.total_slots
     if engine.swap_space is not None:
         assert not engine.swap_space.cpu_tables
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from lesson_utils.core.types import NeverFits, Sequence
+from lesson_utils.core.types import NeverFits, Sequence, SlotKind
 from lesson_utils.lab import kv_math, workloads
 from lesson_utils.memory import reservation
 from lesson_utils.serving import simulator
@@ -69,7 +69,7 @@ def test_simulation_accounts_every_slot_and_frees_everything(policy):
     total = sum(res.kinds[k] for k in simulator.KINDS)
     assert np.all(total == 20_000)
     assert len(res.finished) == 200 and all(s.num_generated == s.request.output_len for s in res.finished)
-    assert m.allocator.free_slots == 20_000 and not m.seqs
+    assert m.view.breakdown()[SlotKind.FREE] == m.view.total_slots == 20_000
     if policy == "oracle":
         assert res.kinds["internal fragmentation"].max() == 0
     # FCFS: requests are admitted in arrival order
