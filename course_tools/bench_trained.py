@@ -2,8 +2,10 @@
 
 ``python -m course_tools.bench_trained`` times, on this machine's device and the profile's dtype:
 
-* a **decode step** (ms per step) at batch 1, 4 and 16 (every sequence 128 tokens in, one new token each; HF's ``DynamicCache``
-  against the course's dense cache and its paged cache with the torch backend the engine uses here);
+* a **decode step** (ms per step) at batch 1, 4 and 16 (every sequence 128 tokens in, one new token each; HF's
+  ``DynamicCache`` against the course's dense cache, its paged cache as the engine builds it on this device (on a CPU:
+  each sequence's K/V gathered and attended on its own) and the paged cache serving every decode through one padded
+  gather (a GPU's default));
 * a **256-token prefill** of one sequence.
 
 The protocol is the course's (:func:`lesson_utils.lab.timing.measure`): one warm-up per variant, ``--repeats`` rounds
@@ -71,7 +73,8 @@ class Bench:
 
         if kind == "dense":
             return DenseKVCache(self.w.num_layers)
-        cache = PagedKVCache.for_model(self.w, batch * (blocks_needed(tokens, 16) + 1), 16)
+        batched = {"paged": None, "paged, batched": True}[kind]  # None: the engine's choice for this device
+        cache = PagedKVCache.for_model(self.w, batch * (blocks_needed(tokens, 16) + 1), 16, batched_decode=batched)
         for s in range(batch):
             cache.manager.blocks.reserve(s, tokens)
         return cache
@@ -116,28 +119,27 @@ def main(argv: list[str] | None = None) -> None:
     points = [(f"decode, batch {b}", bench.prompts(b, args.context), b) for b in (1, 4, 16)]
     points.append(("prefill, 256 tokens", bench.prompts(1, 256), None))
     print(f"{bench.lm.source}; {profile.label()}; {args.repeats} repeats after 1 warm-up, alternating order")
-    print(f"{'point':<22}{'HF':>34}{'course dense':>34}{'course paged':>34}{'dense / HF':>34}{'paged / HF':>34}")
+    kinds = ("dense", "paged", "paged, batched")
+    print(
+        f"{'point':<22}{'HF':>34}"
+        + "".join(f"{'course ' + k:>34}" for k in kinds)
+        + "".join(f"{k + ' / HF':>30}" for k in kinds)
+    )
     for label, ids, batch in points:
         if batch:  # a fresh state per sample (built before its clock starts): no sample decodes on another's cache
             per = args.steps
-            variants = {
-                "HF": lambda ids=ids: bench.hf_decode(ids, args.steps)(),
-                "dense": lambda ids=ids: bench.course_decode(ids, args.steps, "dense")(),
-                "paged": lambda ids=ids: bench.course_decode(ids, args.steps, "paged")(),
-            }
+            variants = {"HF": lambda ids=ids: bench.hf_decode(ids, args.steps)()}
+            variants.update({k: lambda ids=ids, k=k: bench.course_decode(ids, args.steps, k)() for k in kinds})
         else:
             per = 1
-            variants = {
-                "HF": lambda ids=ids: bench.hf_prefill(ids)(),
-                "dense": lambda ids=ids: bench.course_prefill(ids, "dense")(),
-                "paged": lambda ids=ids: bench.course_prefill(ids, "paged")(),
-            }
+            variants = {"HF": lambda ids=ids: bench.hf_prefill(ids)()}
+            variants.update({k: lambda ids=ids, k=k: bench.course_prefill(ids, k)() for k in kinds})
         m = timing.measure(
             variants, repeats=args.repeats, value=lambda seconds, _wall, per=per: seconds * 1e3 / per, unit="ms"
         )
-        cells = [m[v].text(digits=1) for v in ("HF", "dense", "paged")]
-        ratios = [m.ratio(v, "HF").text() for v in ("dense", "paged")]
-        print(f"{label:<22}" + "".join(f"{c:>34}" for c in cells + ratios))
+        cells = "".join(f"{m[v].text(digits=1):>34}" for v in ("HF", *kinds))
+        ratios = "".join(f"{m.ratio(v, 'HF').text():>30}" for v in kinds)
+        print(f"{label:<22}{cells}{ratios}")
         if m.warning():
             print("   " + m.warning())
 

