@@ -17,7 +17,7 @@ keeps what came before):
    to two a step; a swap-out's deliberate wait is counted apart);
 4. the identity rule on every engine in fp16, its threshold calibrated in the run (the share of steps it could
    excuse), and again in fp32, where the rule is sharp: a real bug cannot hide behind fp16 there;
-5. the ten solution notebooks in the ``gpu`` profile (``course_tools.run_all --record``), unless skipped.
+5. every solution notebook (thirteen) in the ``gpu`` profile (``course_tools.run_all --record``), unless skipped.
 
 It refuses to start without CUDA. Aimed at 10 minutes on a data-centre GPU; ``--budget-min`` stops before the
 notebooks when the measurements alone have used the budget.
