@@ -88,6 +88,30 @@ def short(value: Any, limit: int = 300) -> str:
     return text if len(text) <= limit else text[: limit - 5] + " ...)"
 
 
+def first_difference(expected: Any, got: Any) -> str:
+    """Where two tensors of one shape first differ, and by how much at most - what the two ``short`` lines cannot show
+    when both print as ``tensor(shape=..., dtype=...)``; "" for anything else (other shapes, other types)."""
+    try:
+        import torch
+    except ImportError:  # pragma: no cover
+        return ""
+    if not (isinstance(expected, torch.Tensor) and isinstance(got, torch.Tensor)) or expected.shape != got.shape:
+        return ""
+    if expected.numel() == 0:
+        return ""
+    want, have = expected.detach().cpu().double(), got.detach().cpu().double()
+    differs = ~((want == have) | (torch.isnan(want) & torch.isnan(have)))
+    if not bool(differs.any()):
+        return ""
+    index = tuple(int(i) for i in differs.nonzero()[0])
+    gap = (want - have).abs()
+    largest = float(gap[torch.isfinite(gap)].max()) if bool(torch.isfinite(gap).any()) else float("nan")
+    return (
+        f"first difference at index {index}: expected {float(want[index]):.6g}, got {float(have[index]):.6g} "
+        f"({int(differs.sum())} of {want.numel()} values differ; largest |difference| {largest:.3g})"
+    )
+
+
 MARKS = {"passed": "\u2705", "try again": "\u274c", "not solved": "\u23f3"}  # check mark, cross, hourglass
 WIDTH = 96  # characters per line: JupyterLab wraps longer lines mid-word
 
@@ -346,6 +370,7 @@ def check_function(
             return failed(
                 name,
                 f"on input ({shown})\n    expected: {short(expected)}\n    got:      {short(got)}"
+                + (f"\n    {where}" if (where := first_difference(expected, got)) else "")
                 + (f"\n    {problem}" if problem and problem != hint else "")
                 + (f"\n    hint: {hint}" if hint else ""),
                 reference,

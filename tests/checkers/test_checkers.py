@@ -337,3 +337,19 @@ def test_gather_kv_checker():
     assert rejected(lesson03.check_gather_kv(no_truncation), "more tokens than context_len")
     assert rejected(lesson03.check_gather_kv(sorted_blocks), "in what order do the blocks")
     assert rejected(lesson03.check_gather_kv(ignores_table), "in what order do the blocks")
+
+
+def test_first_difference_names_the_first_index_and_the_largest_gap():
+    import torch
+
+    from lesson_utils.checks.core import first_difference
+
+    want = torch.zeros(2, 3)
+    got = want.clone()
+    got[1, 2], got[0, 1] = 5.0, 0.5
+    line = first_difference(want, got)
+    assert "index (0, 1): expected 0, got 0.5" in line and "2 of 6 values differ; largest |difference| 5" in line
+    assert first_difference(want, want.clone()) == ""  # equal: nothing to say
+    nan = torch.tensor([float("nan"), 1.0])
+    assert first_difference(nan, nan.clone()) == ""  # NaN where NaN is expected is not a difference
+    assert first_difference(want, torch.zeros(3, 2)) == "" and first_difference([1], [2]) == ""  # shapes / types

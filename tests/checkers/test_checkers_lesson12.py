@@ -149,3 +149,9 @@ def cached_without_the_dtype():
 
 def test_a_cache_that_forgets_the_dtype_is_rejected(not_strict):
     assert rejected(check_rotate_at(cached_without_the_dtype()), "keep x's dtype")
+
+
+def test_a_wrong_tensor_shows_where_it_differs(not_strict):
+    """Two tensors of one shape and dtype print alike; the message says where they first differ and by how much."""
+    r = check_rotate_at(backwards)
+    assert "first difference at index" in r.message and "values differ; largest |difference|" in r.message
