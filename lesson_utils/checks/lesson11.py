@@ -254,6 +254,10 @@ def check_accept_sampled(fn) -> CheckResult:
         f"as the target's and each position is reached as often as the drafts before it are kept (within {_Z} "
         "standard errors), whichever token was drafted.",
         fn,
+        next_line=(
+            "Nothing later in this notebook runs it: its engines decode greedily. To sample with it, hand it to an engine "
+            "as Speculation(k, propose, sampled_rule=use_accept_sampled) and give the requests a temperature."
+        ),
     )
 
 
