@@ -83,6 +83,14 @@ def _sync(device: torch.device):
     return None
 
 
+def count_step_operators(engine) -> int:
+    """The operators (top-level ``aten::`` calls from Python) one ``engine.step()`` launches - what a GPU's host must
+    launch one by one in eager PyTorch. The step is a real step of ``engine``."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        engine.step()
+    return sum(1 for e in prof.events() if e.cpu_parent is None and e.name.startswith("aten::"))
+
+
 def profile_decode_step(engine, model: torch.nn.Module, *, repeats: int = 5, copy_mib: int = 128) -> StepProfile:
     """Profile ``engine``'s decode steps. Every sequence in it must already be decoding (prefilled), with enough
     tokens left for ``2 * repeats + 6`` more steps; each measured step is one real step of the engine."""

@@ -13,6 +13,9 @@ from dataclasses import dataclass
 
 T4_BYTES_PER_S = 320e9  # a T4's memory bandwidth (datasheet; ../shared/reference/colab-and-triton.md)
 T4_FP16_FLOPS = 65e12  # its fp16 tensor-core peak (datasheet)
+# What launching one operator may cost a T4's host (an assumed range, not a datasheet figure: a few microseconds per
+# kernel launch from eager PyTorch; CUDA graphs and fused kernels - what production engines use - remove most of it).
+LAUNCH_COSTS_S = (2e-6, 5e-6, 10e-6)
 
 
 def t4_step_roofline_s(num_params: int, tokens_fed: int) -> tuple[float, float]:
@@ -44,6 +47,15 @@ class T4DecodePrediction:
     def bound_s(self) -> float:
         """The least the step can take: reading weights and K/V, or the multiply-adds, whichever is longer."""
         return max(self.weights_s + self.kv_s, self.flops_s)
+
+    def step_s(self, launch_s: float) -> float:
+        """The step with its launches: the GPU works while the host launches, so the step takes the longer of its device
+        work (the bound above) and ``operators`` launches of ``launch_s`` each, one after another from one host thread."""
+        return max(self.bound_s, self.operators * launch_s) if self.operators else self.bound_s
+
+    def tokens_per_s(self, launch_s: float = 0.0) -> float:
+        """Output tokens per second of a step of ``sequences`` decodes, with ``launch_s`` per operator launch."""
+        return self.sequences / self.step_s(launch_s)
 
     def text(self) -> str:
         return (
