@@ -49,17 +49,18 @@ def quantize_kv(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return quantize_finite_kv(x)
 
 
-def quantize_finite_kv(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_finite_kv(x: torch.Tensor, qmax: int = QMAX) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`quantize_kv` of a float ``x`` already known to be finite (the int8 cache checked it, naming the layer
-    and slot): the same result without a second finiteness pass."""
+    and slot): the same result without a second finiteness pass. ``qmax`` other than 127 keeps fewer levels (7:
+    int4's), held in int8 all the same."""
     # a float64 input may hold finite values beyond float32's range: work in float64 then, and refuse a vector whose
     # scale float32 cannot hold (the stored scale is float32; an inf there would poison every later step)
     xw = x.double() if x.dtype == torch.float64 else x.float()
-    scale = (xw.abs().amax(dim=-1) / QMAX).float()
+    scale = (xw.abs().amax(dim=-1) / qmax).float()
     if x.dtype == torch.float64:  # (a finite float32, fp16 or bf16 vector's scale always fits: no read-back for it)
         _refuse_unstorable_scales(xw, scale)
     safe = torch.where(scale > 0, scale, torch.ones_like(scale)).to(xw.dtype)  # an all-zero vector: q = 0, scale 0
-    q = torch.round(xw / safe[..., None]).clamp_(-QMAX, QMAX).to(torch.int8)
+    q = torch.round(xw / safe[..., None]).clamp_(-qmax, qmax).to(torch.int8)
     return q, scale
 
 
@@ -118,7 +119,4 @@ def quantize_int4_levels(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The other contrast: int4's 15 levels per token and head (``scale = max|x| / 7``), the values held in int8. It
     gives a 4-bit cache's values (lesson 10 measures their accuracy), not its bytes: it still stores one per byte."""
     check_finite(x)
-    scale = x.float().abs().amax(dim=-1) / 7
-    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-    q = torch.round(x.float() / safe[..., None]).clamp_(-7, 7).to(torch.int8)
-    return q, scale
+    return quantize_finite_kv(x, qmax=7)

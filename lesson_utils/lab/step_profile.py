@@ -88,7 +88,12 @@ def count_step_operators(engine) -> int:
     launch one by one in eager PyTorch. The step is a real step of ``engine``."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         engine.step()
-    return sum(1 for e in prof.events() if e.cpu_parent is None and e.name.startswith("aten::"))
+    return len(_operators(prof.events()))
+
+
+def _operators(events) -> list:
+    """The profiled events that are operators called from Python: top-level ``aten::`` calls."""
+    return [e for e in events if e.cpu_parent is None and e.name.startswith("aten::")]
 
 
 def profile_decode_step(engine, model: torch.nn.Module, *, repeats: int = 5, copy_mib: int = 128) -> StepProfile:
@@ -114,7 +119,7 @@ def profile_decode_step(engine, model: torch.nn.Module, *, repeats: int = 5, cop
             sync()
         wall = time.perf_counter() - t0
     events = prof.events()
-    top = [e for e in events if e.cpu_parent is None and e.name.startswith("aten::")]
+    top = _operators(events)
     attr = "self_device_time_total" if on_gpu else "self_cpu_time_total"
     matmul = sum(getattr(e, attr) for e in events if e.name in MATMULS) / 1e6
     if on_gpu:
