@@ -1,4 +1,4 @@
-"""Lesson 11's exercise 4, the rollback: one verifying sequence settled on a real block manager (prefix caching on,
+"""Lesson 11's exercise 5, the rollback: one verifying sequence settled on a real block manager (prefix caching on,
 forked siblings sharing blocks) and compared, property by property, with a rollback through ``manager.trim``."""
 
 from __future__ import annotations
@@ -141,7 +141,7 @@ def _settle_hint(want: dict, got: dict) -> str | None:
 
 
 def check_keep_verified(fn) -> CheckResult:
-    """Exercise 11-4: ``keep_verified(seq, tokens, step, manager)`` - add the kept tokens up to the one that ends the
+    """Exercise 11-5: ``keep_verified(seq, tokens, step, manager)`` - add the kept tokens up to the one that ends the
     request, roll the computed count back to the tokens whose K/V are the sequence's, and give back the slots (and the
     blocks) only rejected drafts used through ``manager.trim``; checked on a real block manager with prefix caching on
     and forked siblings sharing blocks, at block sizes 1 to 7."""

@@ -50,7 +50,7 @@ def tokens_per_verify_step(verified: list[tuple[int, int, int, int]]) -> float:
 
 
 def pick_k(a: float, cost: dict[int, float]) -> tuple[int, float]:
-    """Lesson 11's exercise 5: the number of drafts worth proposing. ``cost[n]`` is what a step feeding ``n`` tokens
+    """Lesson 11's exercise 6: the number of drafts worth proposing. ``cost[n]`` is what a step feeding ``n`` tokens
     costs (``n = 1 .. K + 1``; ``cost[1]`` is a plain decode step). For each ``k`` in ``0 .. K`` the predicted speedup
     is :func:`expected_tokens_per_step` ``(a, k) x cost[1] / cost[k + 1]``; returns the best ``k`` (the smallest of
     equals: fewer lookahead slots for the same speed) and its predicted speedup."""
@@ -95,3 +95,53 @@ class RecordedProposer:
     @property
     def __name__(self) -> str:
         return getattr(self.propose, "__name__", "proposer")
+
+
+@dataclass(frozen=True)
+class GreedyReplay:
+    """What greedy speculation with a proposer would record for one answer, without running the model: ``verified``
+    in the scheduler's shape ``(step, seq_id, drafted, accepted)`` (``step`` counts decode steps from 0, ``seq_id``
+    is 0) and ``undrafted``, the decode steps where the proposer found nothing."""
+
+    verified: list[tuple[int, int, int, int]]
+    undrafted: int
+
+
+def replay_greedy(prompt: list[int], answer: list[int], propose, k: int, max_new_tokens: int) -> GreedyReplay:
+    """Replay greedy speculation over a greedy ``answer`` already known (greedy speculation yields exactly it): the
+    first token comes from the prefill; every decode step after it asks ``propose(context, room)`` - ``room`` is
+    ``k``, or less near ``max_new_tokens`` as the engine asks - and keeps the drafts that agree with the answer, then
+    the answer's next token. Agreement is known from the answer alone, so the replay equals the engine's record
+    (``scheduler.verified``) except where a draft runs past an answer that ended at eos: there what the model would
+    have said after eos is unknown and the replay counts only up to it (a lower bound)."""
+    if not answer:
+        raise ValueError("an answer has at least the token the prefill produced")
+    verified, undrafted, g, step = [], 0, 1, 0
+    while g < len(answer):
+        room = min(k, max_new_tokens - g - 1)
+        draft = list(propose(list(prompt) + list(answer[:g]), room)) if room > 0 else []
+        if draft:
+            rest = answer[g:]
+            a = 0
+            while a < len(draft) and a < len(rest) and draft[a] == rest[a]:
+                a += 1
+            verified.append((step, 0, len(draft), a))
+            g += a + 1
+        else:
+            undrafted += 1
+            g += 1
+        step += 1
+    return GreedyReplay(verified, undrafted)
+
+
+def kept_and_replaced(p, q):
+    """Why the rejection rule keeps the target's distribution, token by token. A proposer drafts ``x ~ q``; the rule
+    keeps it with probability ``min(1, p(x) / q(x))`` and otherwise draws from ``max(0, p - q)`` normalized. Returns
+    ``(kept, replaced)``: ``kept[y]`` = P(y was drafted and kept) = ``min(p(y), q(y))``; ``replaced[y]`` = P(a draft
+    was rejected and y drawn instead) = P(reject) x ``max(0, p(y) - q(y)) / sum(max(0, p - q))``, and P(reject) is that
+    same sum, so ``replaced = max(0, p - q)``. Their sum is ``p`` whatever ``q`` is (lesson 11's exercise 4). ``p`` and
+    ``q`` are not changed."""
+    import torch
+
+    kept = torch.minimum(p, q)
+    return kept, (p - kept).clamp_min(0)

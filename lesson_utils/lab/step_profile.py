@@ -20,6 +20,8 @@ model, :class:`lesson_utils.serving.cost_model.RowBucketCost`, is fitted to).
 
 from __future__ import annotations
 
+import contextlib
+import os
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -83,10 +85,46 @@ def _sync(device: torch.device):
     return None
 
 
+@contextlib.contextmanager
+def _profiler_quiet():
+    """Silence what the profiler's C++ side (Kineto) writes to file descriptor 2 as it starts and stops - two log
+    lines a profile that would land in a notebook's output. Python's own warnings still show: a notebook's
+    ``sys.stderr`` is not that descriptor."""
+    try:
+        saved = os.dup(2)
+    except OSError:  # no descriptor 2 to silence
+        yield
+        return
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 2)
+            yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+def quiet_profile(activities):
+    """``torch.profiler.profile(activities=...)`` without the profiler's own log lines."""
+
+    @contextlib.contextmanager
+    def run():
+        prof = torch.profiler.profile(activities=activities)
+        with _profiler_quiet():
+            prof.__enter__()
+        try:
+            yield prof
+        finally:
+            with _profiler_quiet():
+                prof.__exit__(None, None, None)
+
+    return run()
+
+
 def count_step_operators(engine) -> int:
     """The operators (top-level ``aten::`` calls from Python) one ``engine.step()`` launches - what a GPU's host must
     launch one by one in eager PyTorch. The step is a real step of ``engine``."""
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+    with quiet_profile([torch.profiler.ProfilerActivity.CPU]) as prof:
         engine.step()
     return len(_operators(prof.events()))
 
@@ -111,7 +149,7 @@ def profile_decode_step(engine, model: torch.nn.Module, *, repeats: int = 5, cop
     if on_gpu:
         activities.append(torch.profiler.ProfilerActivity.CUDA)
     profiled = 3
-    with torch.profiler.profile(activities=activities) as prof:
+    with quiet_profile(activities) as prof:
         t0 = time.perf_counter()
         for _ in range(profiled):
             engine.step()

@@ -33,15 +33,17 @@ def compute_bound_from_tokens(dtype_bytes: int = 2) -> float:
 
 @dataclass(frozen=True)
 class T4DecodePrediction:
-    """A decode step of ``sequences`` sequences, each attending over ``context`` tokens, on a T4 (seconds)."""
+    """A decode step of ``sequences`` sequences, each attending over ``context`` tokens and feeding ``fed`` tokens
+    (1 for a decode, ``k + 1`` for a verify step of ``k`` drafts), on a T4 (seconds)."""
 
     sequences: int
     context: int
     weights_s: float  # reading every fp16 weight once
     kv_s: float  # reading every sequence's K/V once
-    flops_s: float  # the weights' multiply-adds
+    flops_s: float  # the weights' multiply-adds for every token fed
     operators: float  # operator launches per step (as measured on this device's engine)
     break_even_launch_s: float  # per launch, the launches take as long as reading the weights
+    fed: int = 1  # tokens fed per sequence
 
     @property
     def bound_s(self) -> float:
@@ -58,8 +60,9 @@ class T4DecodePrediction:
         return self.sequences / self.step_s(launch_s)
 
     def text(self) -> str:
+        step = "a decode step of" if self.fed == 1 else f"a verify step feeding {self.fed} tokens each for"
         return (
-            f"PREDICTED for a T4 (datasheet peaks, not measured): a decode step of {self.sequences} sequence(s) at "
+            f"PREDICTED for a T4 (datasheet peaks, not measured): {step} {self.sequences} sequence(s) at "
             f"{self.context}-token contexts reads the fp16 weights in {self.weights_s * 1e3:.2f} ms and the K/V in "
             f"{self.kv_s * 1e3:.3f} ms; the weights' multiply-adds take {self.flops_s * 1e3:.3f} ms. Its "
             f"{self.operators:.0f} operator launches take longer than reading the weights if each costs more than "
@@ -67,8 +70,31 @@ class T4DecodePrediction:
         )
 
 
-def t4_decode(num_params: int, kv_bytes_per_token: int, sequences: int, context: int, operators: float):
-    """The :class:`T4DecodePrediction` of one decode step (``kv_bytes_per_token`` of the cache's dtype)."""
-    weights_s, flops_s = t4_step_roofline_s(num_params, sequences)
+def t4_decode(
+    num_params: int, kv_bytes_per_token: int, sequences: int, context: int, operators: float, fed: int = 1
+) -> T4DecodePrediction:
+    """The :class:`T4DecodePrediction` of one decode step (``kv_bytes_per_token`` of the cache's dtype); ``fed`` > 1:
+    a verify step, each sequence feeding its newest token and ``fed - 1`` drafts (more multiply-adds, the same weights
+    and K/V read; the drafts' own K/V and attention arithmetic are left out, small beside the weights)."""
+    if sequences < 1 or fed < 1:
+        raise ValueError(f"a step feeds at least one token of one sequence, got {sequences} sequences x {fed}")
+    weights_s, flops_s = t4_step_roofline_s(num_params, sequences * fed)
     kv_s = sequences * context * kv_bytes_per_token / T4_BYTES_PER_S
-    return T4DecodePrediction(sequences, context, weights_s, kv_s, flops_s, operators, weights_s / max(operators, 1))
+    return T4DecodePrediction(
+        sequences, context, weights_s, kv_s, flops_s, operators, weights_s / max(operators, 1), fed
+    )
+
+
+def speculation_speedup(
+    plain: T4DecodePrediction, verify: T4DecodePrediction, tokens_per_verify: float, launch_s: float = 0.0
+) -> float:
+    """Predicted tokens/s of verify steps over plain decode steps of the same sequences on a T4: each verification
+    yields ``tokens_per_verify`` tokens (kept drafts and the target's own) in ``verify.step_s``, each plain step one in
+    ``plain.step_s``. Below 1, speculation slows serving down. The proposer's own time is left out."""
+    if plain.fed != 1:
+        raise ValueError("plain must be a decode step (fed = 1)")
+    if verify.sequences != plain.sequences or verify.context != plain.context:
+        raise ValueError("compare a verify step with a plain step of the same sequences and contexts")
+    if tokens_per_verify < 1:
+        raise ValueError(f"a verification yields at least the target's own token, got {tokens_per_verify}")
+    return tokens_per_verify * plain.step_s(launch_s) / verify.step_s(launch_s)

@@ -9,8 +9,9 @@ after them (:func:`accept_greedy`, or :func:`accept_sampled` for temperature > 0
 et al., ICML 2023, and Chen et al., 2023), and rolls back the rest: the computed count, and the blocks only rejected
 tokens used (``manager.trim``). Greedy speculation therefore produces exactly the tokens greedy decoding would.
 
-The proposer here is prompt lookup (:func:`prompt_lookup`): the tokens that followed the latest earlier occurrence of
-the context's last few tokens - no second model, so it runs in every profile.
+The proposer here is prompt lookup (:func:`prompt_lookup`): the tokens that followed the earliest occurrence of the
+context's last few tokens - the rule of vLLM v1's n-gram proposer and of Hugging Face's prompt-lookup decoding - with
+no second model, so it runs in every profile. Lesson 11 measures it against the latest occurrence.
 """
 
 from __future__ import annotations
@@ -24,15 +25,24 @@ import torch
 from lesson_utils.core.types import Sequence, is_int
 
 
-def prompt_lookup(token_ids: list[int], k: int, *, max_ngram: int = 3, min_ngram: int = 1) -> list[int]:
-    """Up to ``k`` tokens that followed the latest earlier occurrence of the context's last ``n`` tokens, for the
+def prompt_lookup(
+    token_ids: list[int], k: int, *, max_ngram: int = 3, min_ngram: int = 1, prefer: str = "earliest"
+) -> list[int]:
+    """Up to ``k`` tokens that followed the earliest earlier occurrence of the context's last ``n`` tokens, for the
     longest ``n`` from ``max_ngram`` down to ``min_ngram`` that occurs earlier; ``[]`` when none does (a plain
-    decode step then). ``token_ids`` is not changed."""
+    decode step then). The continuation may run into the tail itself. ``token_ids`` is not changed.
+
+    The earliest occurrence is what vLLM v1's n-gram proposer (``vllm/v1/spec_decode/ngram_proposer.py``) and Hugging
+    Face's ``PromptLookupCandidateGenerator`` take; ``prefer="latest"`` takes the latest instead, the variant lesson 11
+    measures against it."""
+    if prefer not in ("earliest", "latest"):
+        raise ValueError(f"prefer is 'earliest' or 'latest', got {prefer!r}")
     if k <= 0:
         return []
     for n in range(min(max_ngram, len(token_ids) - 1), min_ngram - 1, -1):
         tail = token_ids[-n:]
-        for start in range(len(token_ids) - n - 1, -1, -1):  # the latest earlier occurrence first
+        starts = range(len(token_ids) - n)  # every earlier place; the tail itself starts at len - n
+        for start in reversed(starts) if prefer == "latest" else starts:
             if token_ids[start : start + n] == tail:
                 return list(token_ids[start + n : start + n + k])
     return []
@@ -108,7 +118,7 @@ class Speculation:
     propose: Callable[[list[int], int], list[int]] = prompt_lookup
     greedy_rule: Callable | None = None  # accept(draft, targets) -> tokens; None: accept_greedy (lesson 11's 2)
     sampled_rule: Callable | None = None  # accept(draft, probs, generator) -> tokens; None: accept_sampled (3)
-    settle_rule: Callable | None = None  # settle(seq, tokens, step, manager); None: keep_verified (lesson 11's 4)
+    settle_rule: Callable | None = None  # settle(seq, tokens, step, manager); None: keep_verified (lesson 11's 5)
     simulated: SimulatedDrafts | None = None  # in a simulation (no ids, no logits): who drafts and what is kept
 
     @classmethod

@@ -41,17 +41,14 @@ def test_unsolved_exercises_say_so():
 
 
 # ---- wrong proposers ------------------------------------------------------------------------------------------
-def earliest_match(ids, k):
-    for n in range(min(3, len(ids) - 1), 0, -1):
-        for start in range(0, len(ids) - n):
-            if ids[start : start + n] == ids[-n:]:
-                return ids[start + n : start + n + k]
-    return []
+def latest_match(ids, k):
+    """The rule lesson 11 used before it followed vLLM and Hugging Face: the latest earlier occurrence."""
+    return prompt_lookup(ids, k, prefer="latest")
 
 
 def shortest_first(ids, k):
     for n in range(1, min(3, len(ids) - 1) + 1):
-        for start in range(len(ids) - n - 1, -1, -1):
+        for start in range(0, len(ids) - n):
             if ids[start : start + n] == ids[-n:]:
                 return ids[start + n : start + n + k]
     return []
@@ -80,7 +77,7 @@ def a_tuple(ids, k):
 @pytest.mark.parametrize(
     "wrong, needle",
     [
-        (earliest_match, "which one does prompt lookup use"),
+        (latest_match, "which one does prompt lookup use"),
         (shortest_first, "which match length is tried first"),
         (includes_the_match, "expected"),
         (pads_to_k, "expected"),
@@ -374,7 +371,7 @@ def test_a_sampler_that_ignores_its_generator_or_edits_probs_later_is_rejected()
 def cuts_the_continuation_at_the_tail(ids, k):
     out = prompt_lookup(ids, k)
     for n in range(min(3, len(ids) - 1), 0, -1):
-        for start in range(len(ids) - n - 1, -1, -1):
+        for start in range(0, len(ids) - n):
             if ids[start : start + n] == ids[-n:]:
                 return out[: max(0, len(ids) - n - (start + n))] if out else out
     return out
@@ -407,7 +404,7 @@ def searches_the_text(ids, k):
         return []
     body = " ".join(map(str, ids[:-1]))
     for n in range(min(3, len(ids) - 1), 0, -1):
-        pos = body.rfind(" ".join(map(str, ids[-n:])))
+        pos = body.find(" ".join(map(str, ids[-n:])))
         if pos >= 0:
             start = body[:pos].count(" ")
             return ids[start + n : start + n + k]
@@ -497,3 +494,64 @@ def never_speculates_at_zero(a, cost):
 )
 def test_wrong_answers_a_reviewer_found_are_rejected(check, wrong, needle):
     assert rejected(check(wrong), needle)
+
+
+# ---- exercise 4: why the rejection rule keeps the distribution ---------------------------------------------------
+def _mass_reference(p, q):
+    from lesson_utils.lab.spec_math import kept_and_replaced
+
+    return kept_and_replaced(p, q)
+
+
+def mass_returns_p(p, q):
+    return p.clone(), torch.zeros_like(p)
+
+
+def mass_divides_by_q(p, q):
+    return q * torch.clamp(p / q, max=1), (p - q).clamp_min(0)
+
+
+def mass_residual_normalized(p, q):
+    kept = torch.minimum(p, q)
+    residual = (p - q).clamp_min(0)
+    return kept, residual / residual.sum()
+
+
+def mass_a_list(p, q):
+    return list(_mass_reference(p, q))
+
+
+def mass_in_float64(p, q):
+    return tuple(t.double() for t in _mass_reference(p, q))
+
+
+def mass_changes_p(p, q):
+    out = _mass_reference(p.clone(), q)
+    p.zero_()
+    return out
+
+
+def mass_kept_is_q(p, q):
+    return q.clone(), (p - q).clamp_min(0)
+
+
+@pytest.mark.parametrize(
+    "wrong, needle",
+    [
+        (mass_returns_p, "drafts y (q(y)) AND the rule keeps it"),
+        (mass_divides_by_q, "without dividing"),
+        (mass_residual_normalized, "how likely is a rejection at all"),
+        (mass_a_list, "tuple (kept, replaced)"),
+        (mass_in_float64, "p's dtype"),
+        (mass_changes_p, "changed its input `p`"),
+        (mass_kept_is_q, "drafts y (q(y)) AND the rule keeps it"),
+    ],
+)
+def test_wrong_probability_splits_are_rejected(wrong, needle):
+    assert rejected(lesson11.check_kept_and_replaced(wrong), needle)
+
+
+def test_the_probability_split_passes_the_rule_and_never_crashes_on_nonsense():
+    assert lesson11.check_kept_and_replaced(_mass_reference).passed
+    for nonsense in (lambda p, q: None, lambda p, q: (p,), lambda p, q: 1 / 0, lambda p, q: (p[:2], q[:2])):
+        assert not lesson11.check_kept_and_replaced(nonsense).passed

@@ -100,3 +100,45 @@ def test_the_t4_decode_prediction_adds_up():
     big = t4_decode(125_000_000, 36_864, 1000, 1, operators=500)
     assert big.bound_s == pytest.approx(big.flops_s)  # 1000 tokens fed: the multiply-adds dominate
     assert "PREDICTED for a T4" in p.text() and "not measured" in p.text()
+
+
+@pytest.mark.parametrize("prefer", ["earliest", "latest"])
+def test_the_greedy_replay_equals_the_engines_record(prefer):
+    """Greedy speculation's verdicts are fixed by the greedy answer: replaying a proposer over the answer gives the
+    scheduler's own record, step for step (a tiny random model repeats itself, so drafts are both kept and refused)."""
+    from functools import partial
+
+    import torch
+
+    from lesson_utils.cache.paged import PagedKVCache
+    from lesson_utils.lab.spec_math import replay_greedy
+    from lesson_utils.model import weights_from_hf
+    from lesson_utils.model.catalog import random_causal_lm, tiny_config
+    from lesson_utils.serving.engine import Engine
+    from lesson_utils.serving.speculative import Speculation, prompt_lookup
+
+    w = weights_from_hf(random_causal_lm(tiny_config("llama"), 3).to(torch.float32))
+    propose = partial(prompt_lookup, prefer=prefer)
+    rng = random.Random(5)
+    prompts = [[rng.randrange(1, 40) for _ in range(rng.randrange(4, 20))] * 2 for _ in range(4)]
+    eng = Engine(w, PagedKVCache.for_model(w, 64, 4), stop_at_eos=False, speculation=Speculation(3, propose))
+    answers = eng.generate(prompts, 17)
+    seq_ids = sorted({sid for _, sid, _, _ in eng.scheduler.verified})
+    kept_some = refused_some = False
+    for sid, prompt, answer in zip(seq_ids, prompts, answers):
+        engine_record = [(d, a) for _, s, d, a in eng.scheduler.verified if s == sid]
+        replay = replay_greedy(prompt, answer, propose, 3, 17)
+        assert [(d, a) for _, _, d, a in replay.verified] == engine_record
+        kept_some |= any(a for _, a in engine_record)
+        refused_some |= any(a < d for d, a in engine_record)
+    assert kept_some and refused_some  # the case tests both verdicts
+
+
+def test_the_replay_refuses_an_empty_answer_and_asks_no_more_than_the_request_allows():
+    from lesson_utils.lab.spec_math import replay_greedy
+
+    with pytest.raises(ValueError, match="prefill"):
+        replay_greedy([1, 2], [], lambda ids, k: [], 4, 8)
+    asked = []
+    replay_greedy([1, 2, 1, 2], [1, 2, 1, 2, 1], lambda ids, k: asked.append(k) or [], 4, 5)
+    assert asked == [3, 2, 1]  # 5 tokens at most: the room shrinks; with one token left nothing is asked

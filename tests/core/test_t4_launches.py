@@ -47,3 +47,42 @@ def test_the_operator_count_is_one_real_decode_step_and_grows_with_layers():
 
     two, four = ops(2), ops(4)
     assert 0 < two < four and (four - two) % 2 == 0  # each layer adds the same operators
+
+
+def test_a_verify_step_costs_its_multiply_adds_and_its_launches():
+    plain = t4_roofline.t4_decode(135_000_000, 23_040, 64, 20, operators=2400)  # short contexts: little K/V
+    verify = t4_roofline.t4_decode(135_000_000, 23_040, 64, 20, operators=2400 + 900 * 64, fed=5)
+    assert verify.weights_s == plain.weights_s and verify.kv_s == plain.kv_s
+    assert verify.flops_s == pytest.approx(5 * plain.flops_s)  # 320 tokens: past the compute-bound point
+    assert 64 * 5 > t4_roofline.compute_bound_from_tokens() and verify.bound_s == verify.flops_s
+    # without launches: 2 tokens per verification at 5x the multiply-adds of a read-bound step
+    assert t4_roofline.speculation_speedup(plain, verify, 2.0) == pytest.approx(2.0 * plain.bound_s / verify.flops_s)
+    one = t4_roofline.t4_decode(135_000_000, 23_040, 1, 200, operators=2400)
+    one_verify = t4_roofline.t4_decode(135_000_000, 23_040, 1, 200, operators=2400, fed=5)
+    # launch-bound at batch 1 with as many launches either way: a verification costs a decode step
+    assert t4_roofline.speculation_speedup(one, one_verify, 2.0, 10e-6) == pytest.approx(2.0)
+    with pytest.raises(ValueError, match="same sequences"):
+        t4_roofline.speculation_speedup(one, verify, 2.0)
+    with pytest.raises(ValueError, match="decode step"):
+        t4_roofline.speculation_speedup(verify, verify, 2.0)
+    with pytest.raises(ValueError, match="at least the target's own token"):
+        t4_roofline.speculation_speedup(plain, verify, 0.5)
+    with pytest.raises(ValueError, match="at least one token"):
+        t4_roofline.t4_decode(135_000_000, 23_040, 0, 200, operators=1)
+    assert "verify step feeding 5 tokens each for 64" in verify.text() and "decode step of 64" in plain.text()
+
+
+def test_the_profiler_leaves_no_log_lines_in_a_notebooks_output(capfd):
+    import sys
+
+    import torch
+
+    from lesson_utils.lab.step_profile import quiet_profile
+
+    with quiet_profile([torch.profiler.ProfilerActivity.CPU]) as prof:
+        torch.ones(3).add(1)
+    print("a warning of our own", file=sys.stderr)
+    out, err = capfd.readouterr()
+    assert "profiler_start" not in out + err and "profiler_stop" not in out + err  # Kineto's two lines, on fd 2
+    assert "a warning of our own" in err  # Python's stderr is untouched afterwards
+    assert any(e.name.startswith("aten::") for e in prof.events())

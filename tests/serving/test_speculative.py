@@ -31,9 +31,12 @@ from lesson_utils.serving.token_budget import ChunkedPrefill
 
 
 # ---- the proposer --------------------------------------------------------------------------------------------
-def test_prompt_lookup_proposes_what_followed_the_latest_longest_match():
+def test_prompt_lookup_proposes_what_followed_the_earliest_longest_match():
     ids = [5, 6, 7, 9, 5, 6, 8, 1, 5, 6]
-    assert prompt_lookup(ids, 2) == [8, 1]  # "5 6" occurs twice before: the latest one wins
+    assert prompt_lookup(ids, 2) == [7, 9]  # "5 6" occurs twice before: the earliest wins (vLLM v1, HF)
+    assert prompt_lookup(ids, 2, prefer="latest") == [8, 1]  # the variant lesson 11 measures
+    with pytest.raises(ValueError, match="prefer"):
+        prompt_lookup(ids, 2, prefer="last")
     assert prompt_lookup([1, 2, 3, 4, 2, 3], 3) == [4, 2, 3]  # the longest suffix that occurs earlier: "2 3"
     assert prompt_lookup([1, 2, 3, 4], 3) == []  # the last token never occurred before
     assert prompt_lookup([4, 4], 5) == [4]  # only what exists after the match
