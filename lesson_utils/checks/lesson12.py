@@ -1,9 +1,14 @@
-"""Checkers for lesson 12 (the same engine on a modern model): rotating a key by its position (RoPE)."""
+"""Checkers for lesson 12 (the same engine on a modern model): rotating a key by its position (RoPE), and predicting
+how many requests a KV budget runs for a model, from its config."""
 
 from __future__ import annotations
 
+import random
+from types import SimpleNamespace
+
 import torch
 
+from lesson_utils.lab import kv_math
 from lesson_utils.model.rope import rotate_at
 
 from .core import CheckResult, check_function
@@ -183,3 +188,90 @@ def check_rotate_at(fn) -> CheckResult:
     if result.passed:
         result.use = fn
     return result
+
+
+# ---- exercise 12-2: requests running in one KV budget ------------------------------------------------------------
+def _cfg(layers, hidden, heads, kv_heads=None, head_dim=None, name="model"):
+    cfg = SimpleNamespace(num_hidden_layers=layers, hidden_size=hidden, num_attention_heads=heads, name=name)
+    if kv_heads is not None:
+        cfg.num_key_value_heads = kv_heads
+    if head_dim is not None:
+        cfg.head_dim = head_dim
+    return cfg
+
+
+OPT_LIKE = _cfg(12, 768, 12, name="OPT-125m")
+SMOL_LIKE = _cfg(30, 576, 9, kv_heads=3, name="SmolLM2-135M")
+QWEN3_LIKE = _cfg(28, 1024, 16, kv_heads=8, head_dim=128, name="Qwen3-0.6B")
+
+
+def _running_cases() -> list[tuple]:
+    mib = 2**20
+    line = [40, 17, 33, 64, 5, 90, 16, 48, 31, 70, 12, 26]
+    cases = [
+        (OPT_LIKE, 4 * mib, 2, 16, list(line)),
+        (SMOL_LIKE, 4 * mib, 2, 16, list(line)),  # the same bytes: more blocks for the GQA model
+        (QWEN3_LIKE, 8 * mib, 2, 16, list(line)),  # head_dim stated, not hidden / heads
+        (SMOL_LIKE, 4 * mib, 4, 16, list(line)),  # fp32: twice the bytes per token
+        (OPT_LIKE, 3 * 16 * 36864 + 36863, 2, 16, [16, 16, 16, 1]),  # a budget one byte short of 4 blocks
+        (SMOL_LIKE, 6 * 16 * 23040, 2, 16, [17, 17, 17]),  # 17 tokens take two blocks each
+        (SMOL_LIKE, 5 * 16 * 23040, 2, 16, [16, 90, 16, 16]),  # the second does not fit: it stops the line
+        (OPT_LIKE, 16 * 36864 - 1, 2, 16, [1]),  # less than one block: nothing runs
+        (SMOL_LIKE, 100 * mib, 2, 16, [30, 40]),  # everything fits
+        (SMOL_LIKE, 2 * mib, 2, 1, [3, 9, 4, 7] * 5),  # blocks of one token
+        (SMOL_LIKE, 2 * mib, 2, 16, []),  # nobody waiting
+    ]
+    rng = random.Random(122)
+    for _ in range(10):
+        heads = rng.choice([4, 8, 16])
+        kv = rng.choice([h for h in (1, 2, 4, heads) if heads % h == 0])
+        cfg = _cfg(rng.randint(2, 32), heads * 64, heads, kv_heads=kv, head_dim=rng.choice([None, 32, 128]))
+        held = [rng.randint(1, 200) for _ in range(rng.randint(3, 30))]
+        cases.append((cfg, rng.randint(1, 64) * mib, rng.choice([2, 4]), rng.choice([8, 16, 32]), held))
+    return cases
+
+
+def _show_running(case) -> str:
+    cfg, budget, nbytes, bs, held = case
+    fields = ", ".join(f"{k}={v}" for k, v in vars(cfg).items())
+    return f"config({fields}), budget_bytes={budget:,}, dtype_bytes={nbytes}, block_size={bs}, tokens_held={held}"
+
+
+def _running_hint(case, expected, got) -> str:
+    cfg, budget, nbytes, bs, held = case
+    if not isinstance(got, int) or isinstance(got, bool):
+        return "return a count of requests (an int)"
+    if kv_math.kv_heads_of(cfg) != cfg.num_attention_heads:
+        no_gqa = _cfg(cfg.num_hidden_layers, cfg.hidden_size, cfg.num_attention_heads, head_dim=kv_math.head_dim_of(cfg))
+        if got == kv_math.predict_running(no_gqa, budget, nbytes, bs, held) != expected:
+            return "for how many heads does this model store K and V?"
+    skipped = 0
+    blocks_left = budget // (bs * kv_math.kv_bytes_per_token(cfg, nbytes))
+    for t in held:
+        need = -(-t // bs)
+        if need <= blocks_left:
+            blocks_left -= need
+            skipped += 1
+    if got == skipped != expected:
+        return "the line is first come, first served: may a later request go ahead of one that does not fit?"
+    if got > expected:
+        return (
+            "more than fit: does a request that holds 17 tokens in blocks of 16 take 17 slots, or more? And can the "
+            "budget hold a block it has only part of the bytes for?"
+        )
+    return "fewer than fit: how many bytes does one token take in this model (both K and V, every layer), and so a block?"
+
+
+def check_predict_running(fn) -> CheckResult:
+    """Exercise 12-2: ``predict_running(config, budget_bytes, dtype_bytes, block_size, tokens_held)`` - the requests
+    of a first-come line that run at once in the budget (whole blocks; the line stops at the first that does not fit);
+    the inputs unchanged."""
+    return check_function(
+        "predict_running",
+        fn,
+        kv_math.predict_running,
+        _running_cases(),
+        show_input=_show_running,
+        explain=_running_hint,
+        arg_names=("config", "budget_bytes", "dtype_bytes", "block_size", "tokens_held"),
+    )

@@ -148,6 +148,23 @@ def predict_capacity(budget_slots: int, max_model_len: int, block_size: int, tok
     return Capacity(naive, sum(tokens_held[:naive]) / budget_slots, paged, sum(tokens_held[:paged]) / budget_slots)
 
 
+def predict_running(config, budget_bytes: int, dtype_bytes: int, block_size: int, tokens_held: list[int]) -> int:
+    """Reference for exercise 12-2: how many requests of a first-come line run at once in a KV budget of
+    ``budget_bytes``, for the model ``config`` describes. The budget holds whole blocks of ``block_size`` tokens at
+    :func:`kv_bytes_per_token` each (K and V, every layer, the KV heads - not the query heads); request ``i`` holds
+    ``tokens_held[i]`` tokens in whole blocks; requests are admitted in order while the next one fits, and one that
+    does not fit stops the line. ``tokens_held`` is not changed."""
+    blocks_left = budget_bytes // (block_size * kv_bytes_per_token(config, dtype_bytes))
+    running = 0
+    for held in tokens_held:
+        need = -(-held // block_size)
+        if need > blocks_left:
+            break
+        blocks_left -= need
+        running += 1
+    return running
+
+
 # ---- lesson 10: the bytes of an int8 cache, by where its scales live ------------------------------------------
 
 KV_LAYOUTS = ("fp16", "int8, separate scales", "int8, inline scales")

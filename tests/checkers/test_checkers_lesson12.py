@@ -155,3 +155,81 @@ def test_a_wrong_tensor_shows_where_it_differs(not_strict):
     """Two tensors of one shape and dtype print alike; the message says where they first differ and by how much."""
     r = check_rotate_at(backwards)
     assert "first difference at index" in r.message and "values differ; largest |difference|" in r.message
+
+
+# ---- exercise 12-2: requests running in one KV budget ------------------------------------------------------------
+import pytest  # noqa: E402
+
+from lesson_utils.checks.lesson12 import check_predict_running  # noqa: E402
+from lesson_utils.lab import kv_math  # noqa: E402
+
+
+def _admit(blocks, held, block_size, *, ceil=True, stop=True):
+    running = 0
+    for t in held:
+        need = -(-t // block_size) if ceil else t / block_size
+        if need > blocks:
+            if stop:
+                break
+            continue
+        blocks -= need
+        running += 1
+    return running
+
+
+def query_heads(cfg, budget, nbytes, bs, held):
+    per_token = 2 * cfg.num_hidden_layers * cfg.num_attention_heads * kv_math.head_dim_of(cfg) * nbytes
+    return _admit(budget // (bs * per_token), held, bs)
+
+
+def tokens_not_blocks(cfg, budget, nbytes, bs, held):
+    return _admit(budget / (bs * kv_math.kv_bytes_per_token(cfg, nbytes)), held, bs, ceil=False)
+
+
+def skips_ahead(cfg, budget, nbytes, bs, held):
+    return _admit(budget // (bs * kv_math.kv_bytes_per_token(cfg, nbytes)), held, bs, stop=False)
+
+
+def k_only(cfg, budget, nbytes, bs, held):
+    return _admit(budget // (bs * kv_math.kv_bytes_per_token(cfg, nbytes) // 2), held, bs)
+
+
+def hidden_over_heads(cfg, budget, nbytes, bs, held):
+    dim = cfg.hidden_size // cfg.num_attention_heads
+    per_token = 2 * cfg.num_hidden_layers * kv_math.kv_heads_of(cfg) * dim * nbytes
+    return _admit(budget // (bs * per_token), held, bs)
+
+
+def partial_block_counts(cfg, budget, nbytes, bs, held):
+    return _admit(-(-budget // (bs * kv_math.kv_bytes_per_token(cfg, nbytes))), held, bs)
+
+
+def a_float(cfg, budget, nbytes, bs, held):
+    return float(kv_math.predict_running(cfg, budget, nbytes, bs, held))
+
+
+def eats_the_line(cfg, budget, nbytes, bs, held):
+    out = kv_math.predict_running(cfg, budget, nbytes, bs, held)
+    held.clear()
+    return out
+
+
+@pytest.mark.parametrize(
+    "wrong, needle",
+    [
+        (query_heads, "how many heads does this model store K and V"),
+        (tokens_not_blocks, "take 17 slots"),
+        (skips_ahead, "first come, first served"),
+        (k_only, "more than fit"),
+        (hidden_over_heads, "expected"),
+        (partial_block_counts, "only part of the bytes"),
+        (a_float, "an int"),
+        (eats_the_line, "changed its input `tokens_held`"),
+    ],
+)
+def test_wrong_running_predictions_are_rejected(wrong, needle):
+    assert rejected(check_predict_running(wrong), needle)
+
+
+def test_the_running_prediction_passes_the_reference():
+    assert check_predict_running(kv_math.predict_running).passed
