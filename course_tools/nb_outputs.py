@@ -58,6 +58,7 @@ class NotebookResult:
     probe_error: str | None = None  # why profile/versions are missing, if they are
     kernel_log: str | None = None  # the kernel process's own output under OUT, when it wrote any
     silent_cells: list[str] = field(default_factory=list)  # cells over SILENT_S seconds that showed no progress bar
+    still_stretches: list[str] = field(default_factory=list)  # cells in which nothing moved for over SILENT_S seconds
 
     @property
     def name(self) -> str:
@@ -146,6 +147,30 @@ def silent_cell(cell, seconds: float) -> str | None:
         return None
     lines = [line for line in cell.get("source", "").splitlines() if line.strip() and not line.lstrip().startswith("#")]
     return f"{seconds:.1f} s without a progress bar: `{(lines[0] if lines else '').strip()[:80]}`"
+
+
+# What a learner sees change while a cell runs: printed text, a figure or table, a progress bar's redraw (a widget
+# update), an error. The kernel's busy/idle status is not among them.
+VISIBLE_MESSAGES = frozenset(
+    {"stream", "display_data", "update_display_data", "execute_result", "error", "clear_output", "comm_msg"}
+)
+
+
+def longest_still_stretch(start: float, stamps: list[float], end: float) -> tuple[float, float]:
+    """``(seconds, where)``: the longest time between a cell's start, each visible message's arrival (``stamps``,
+    sorted) and its end, and how far into the cell that stretch began."""
+    points = [start, *stamps, end]
+    gaps = [(b - a, a - start) for a, b in zip(points, points[1:])]
+    return max(gaps) if gaps else (0.0, 0.0)
+
+
+def still_stretch(cell, stretch_s: float, at_s: float) -> str | None:
+    """``"22.0 s with nothing moving, 31.5 s into the cell: first line"`` when a code cell showed nothing new for over
+    :data:`SILENT_S` seconds at a stretch (a bar that ticks too seldom counts), else None."""
+    if cell.get("cell_type") != "code" or stretch_s <= SILENT_S:
+        return None
+    lines = [line for line in cell.get("source", "").splitlines() if line.strip() and not line.lstrip().startswith("#")]
+    return f"{stretch_s:.1f} s with nothing moving, {at_s:.1f} s into the cell: `{(lines[0] if lines else '').strip()[:80]}`"
 
 
 # Runs in the kernel after the notebook: what profile, device and versions it actually used.

@@ -140,6 +140,9 @@ def write_report(results: list[NotebookResult], out_dir: Path | str, *, wall_sec
         if r.silent_cells:
             lines += ["", f"**Silent cells** (over {SILENT_S:.0f} s without a progress bar)", ""]
             lines += [f"- {c}" for c in r.silent_cells]
+        if r.still_stretches:
+            lines += ["", f"**Still stretches** (cells in which nothing moved for over {SILENT_S:.0f} s at a time)", ""]
+            lines += [f"- {c}" for c in r.still_stretches]
         lines += ["", "**Key findings**", ""]
         lines += [f"- {line}" for line in r.key_lines] or ["- (none printed)"]
         lines += ["", "**Figures**", ""]

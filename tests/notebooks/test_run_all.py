@@ -46,7 +46,13 @@ def ran(tmp_path_factory):
         path.parent.mkdir(parents=True, exist_ok=True)
         nbformat.write(nb, path)
     out = root / "runs" / "test"
-    results = run_all.run_notebooks(paths, out, profile="ci", timeout=60, progress=False, root=root)
+    from course_tools import nb_outputs
+
+    silent_s, nb_outputs.SILENT_S = nb_outputs.SILENT_S, 0.9  # the first cell's one-second sleep is a still stretch
+    try:
+        results = run_all.run_notebooks(paths, out, profile="ci", timeout=60, progress=False, root=root)
+    finally:
+        nb_outputs.SILENT_S = silent_s
     return root, out, results
 
 
@@ -270,6 +276,28 @@ def test_a_recorded_run_links_only_to_what_it_keeps(ran, tmp_path):
     assert _dead_links(report) == [] and "Executed notebook" not in text and "not kept with this report" in text
     assert (tmp_path / "recorded" / "summary.json").is_file() and "![" in text  # figures came along
     assert run_all.load_summary(tmp_path / "recorded")["notebooks"] == run_all.load_summary(out)["notebooks"]
+
+
+def test_a_stretch_with_nothing_moving_is_named(ran):
+    root, out, results = ran
+    good = results[0]
+    assert any(
+        s.startswith("cell 1: ") and "with nothing moving, 0.0 s into the cell: `import os, pathlib, time`" in s
+        for s in good.still_stretches
+    ), good.still_stretches
+    assert "Still stretches" in (out / "report.md").read_text(encoding="utf-8")
+
+
+def test_the_longest_still_stretch_counts_from_the_start_to_the_end():
+    from course_tools.nb_outputs import longest_still_stretch, still_stretch
+
+    assert longest_still_stretch(10.0, [11.0, 11.5, 19.0], 20.0) == (7.5, 1.5)  # 11.5 -> 19.0
+    assert longest_still_stretch(10.0, [], 16.0) == (6.0, 0.0)  # nothing at all
+    assert longest_still_stretch(10.0, [10.1], 10.2)[0] == pytest.approx(0.1)
+    cell = nbformat.v4.new_code_cell("# why\nserve()")
+    assert still_stretch(cell, 7.5, 1.5) == "7.5 s with nothing moving, 1.5 s into the cell: `serve()`"
+    assert still_stretch(cell, 4.0, 0.0) is None
+    assert still_stretch(nbformat.v4.new_markdown_cell("x"), 60.0, 0.0) is None
 
 
 def test_a_long_cell_without_a_progress_bar_is_named_as_silent():
