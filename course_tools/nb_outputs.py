@@ -8,6 +8,7 @@ from __future__ import annotations
 import base64
 import json
 import re
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -171,6 +172,26 @@ def still_stretch(cell, stretch_s: float, at_s: float) -> str | None:
         return None
     lines = [line for line in cell.get("source", "").splitlines() if line.strip() and not line.lstrip().startswith("#")]
     return f"{stretch_s:.1f} s with nothing moving, {at_s:.1f} s into the cell: `{(lines[0] if lines else '').strip()[:80]}`"
+
+
+class WatchedClient(NotebookClient):
+    """A notebook client that notes when each visible message of the running cell arrives, so the report can name
+    the stretches in which a learner would have seen nothing move."""
+
+    stamps: list[float] = []
+
+    def process_message(self, msg, cell, cell_index):
+        if msg.get("msg_type") in VISIBLE_MESSAGES:
+            self.stamps.append(time.perf_counter())
+        return super().process_message(msg, cell, cell_index)
+
+    def run_watched(self, cell, index: int) -> tuple[str | None, str | None]:
+        """Execute one cell; its :func:`silent_cell` and :func:`still_stretch` notes (None where it has none)."""
+        self.stamps = []
+        start = time.perf_counter()
+        self.execute_cell(cell, index, execution_count=self.code_cells_executed + 1)
+        end = time.perf_counter()
+        return silent_cell(cell, end - start), still_stretch(cell, *longest_still_stretch(start, self.stamps, end))
 
 
 # Runs in the kernel after the notebook: what profile, device and versions it actually used.

@@ -54,23 +54,19 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 import nbformat
-from nbclient import NotebookClient
 from nbclient.exceptions import CellExecutionError, CellTimeoutError, DeadKernelError
 
 from course_tools.nb_outputs import (
     KINDS,
-    VISIBLE_MESSAGES,
     NotebookResult,
+    WatchedClient,
     _kind_of,
     _probe,
     _tail,
     count_unsolved,
     key_lines,
     key_numbers,
-    longest_still_stretch,
     save_figures,
-    silent_cell,
-    still_stretch,
 )
 from course_tools.run_report import (
     format_comparison,
@@ -135,18 +131,6 @@ def _rel(path: Path, root: Path) -> str:
 # --------------------------------------------------------------------------- running
 
 
-class _WatchedClient(NotebookClient):
-    """A notebook client that notes when each visible message of the running cell arrives, so the report can name
-    the stretches in which a learner would have seen nothing move."""
-
-    stamps: list[float] = []
-
-    def process_message(self, msg, cell, cell_index):
-        if msg.get("msg_type") in VISIBLE_MESSAGES:
-            self.stamps.append(time.perf_counter())
-        return super().process_message(msg, cell, cell_index)
-
-
 def run_notebook(
     path: Path | str,
     out_dir: Path | str,
@@ -168,7 +152,7 @@ def run_notebook(
     kind = _kind_of(path)
     strict = (kind == "solutions") if strict is None else (strict and kind == "solutions")
     nb = nbformat.read(path, as_version=4)
-    client = _WatchedClient(
+    client = WatchedClient(
         nb,
         timeout=timeout,
         startup_timeout=120,
@@ -192,14 +176,9 @@ def run_notebook(
                 try:
                     for index, cell in enumerate(nb.cells):
                         result.error_cell = index
-                        t_cell = time.perf_counter()
-                        client.stamps = []
-                        client.execute_cell(cell, index, execution_count=client.code_cells_executed + 1)
-                        t_end = time.perf_counter()
-                        silent = silent_cell(cell, t_end - t_cell)
+                        silent, still = client.run_watched(cell, index)
                         if silent:
                             result.silent_cells.append(f"cell {index}: {silent}")
-                        still = still_stretch(cell, *longest_still_stretch(t_cell, client.stamps, t_end))
                         if still:
                             result.still_stretches.append(f"cell {index}: {still}")
                     result.error_cell = None

@@ -242,7 +242,9 @@ def _running_hint(case, expected, got) -> str:
     if not isinstance(got, int) or isinstance(got, bool):
         return "return a count of requests (an int)"
     if kv_math.kv_heads_of(cfg) != cfg.num_attention_heads:
-        no_gqa = _cfg(cfg.num_hidden_layers, cfg.hidden_size, cfg.num_attention_heads, head_dim=kv_math.head_dim_of(cfg))
+        no_gqa = _cfg(
+            cfg.num_hidden_layers, cfg.hidden_size, cfg.num_attention_heads, head_dim=kv_math.head_dim_of(cfg)
+        )
         if got == kv_math.predict_running(no_gqa, budget, nbytes, bs, held) != expected:
             return "for how many heads does this model store K and V?"
     skipped = 0
@@ -259,7 +261,9 @@ def _running_hint(case, expected, got) -> str:
             "more than fit: does a request that holds 17 tokens in blocks of 16 take 17 slots, or more? And can the "
             "budget hold a block it has only part of the bytes for?"
         )
-    return "fewer than fit: how many bytes does one token take in this model (both K and V, every layer), and so a block?"
+    return (
+        "fewer than fit: how many bytes does one token take in this model (both K and V, every layer), and so a block?"
+    )
 
 
 def check_predict_running(fn) -> CheckResult:

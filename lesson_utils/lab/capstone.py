@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from lesson_utils.lab.sustained import RateComparison, SustainedRate, compare_rates, sustained_rate
 from lesson_utils.lab.timing import Measurement, number_text, ratio_of, ratio_verdict
 
@@ -63,6 +65,39 @@ class RateReport:
 def rate_report(curves: dict[str, list[float]], rates) -> RateReport:
     """Each server's sustained rate from its simulated latency curve over ``rates``."""
     return RateReport({n: sustained_rate(lat, rates) for n, lat in curves.items()})
+
+
+PAPER_PAGING_GAIN = (2.7, 8.0)  # vLLM's sustained request rate over Orca (Max)'s, ShareGPT (§6.2)
+
+
+def against_paper_range(
+    value: float | None,
+    spread: tuple[float, float] | None = None,
+    *,
+    at_least: bool = False,
+    paper: tuple[float, float] = PAPER_PAGING_GAIN,
+) -> str:
+    """Where a gain lies against a published range ('inside', 'below', 'above' the paper's 2.7-8x), judged on its
+    whole ``spread`` (min, max) when one is given: a spread that crosses an edge of the range decides nothing. A
+    lower bound (``at_least``) can only be placed above an edge it already passed. No verdict when undefined."""
+    lo, hi = paper
+    rng = f"the paper's {lo:g}-{hi:g}x"
+    if value is None or not np.isfinite(value):
+        return f"no verdict against {rng} (undefined)"
+    a, b = spread if spread is not None else (value, value)
+    if at_least:
+        if a > hi:
+            return f"above {rng}"
+        return (
+            f"at least {value:.2f}x: inside or above {rng}" if a >= lo else f"undecided against {rng} (a lower bound)"
+        )
+    if b < lo:
+        return f"below {rng}"
+    if a > hi:
+        return f"above {rng}"
+    if lo <= a and b <= hi:
+        return f"inside {rng}"
+    return f"undecided against {rng}: its spread crosses an edge of the range"
 
 
 # ---- the cost model against real runs ---------------------------------------------------------------------------

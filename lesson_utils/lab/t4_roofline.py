@@ -98,3 +98,76 @@ def speculation_speedup(
     if tokens_per_verify < 1:
         raise ValueError(f"a verification yields at least the target's own token, got {tokens_per_verify}")
     return tokens_per_verify * plain.step_s(launch_s) / verify.step_s(launch_s)
+
+
+# ---- the launch term, counted on the course's engine and read from the numbers --------------------------------------
+LAUNCH_NOTE = (
+    "CUDA graphs (one launch replays a whole captured step) and fused kernels (one kernel where eager PyTorch "
+    "launches several), which production engines use, remove most of this launch term"
+)
+
+
+def count_decode_operators(w, sequences: int, prompt_tokens: int = 0, prompt_len: int = 8, cache=None) -> int:
+    """The operators one real step of the course's engine launches for weights ``w``: ``sequences`` sequences each
+    decoding one token (their prompts of ``prompt_len`` tokens prefilled in a first, uncounted step), beside a new
+    prompt of ``prompt_tokens`` tokens when it is > 0 (a chunked-prefill step's work). The cache (by default a paged
+    one) is built as a GPU builds it: every decode through one batched gather, not one sequence at a time; ``cache``:
+    another one with room for the step (built the same way), e.g. lesson 07's naive engine's. Costs two steps, one of
+    them profiled."""
+    from lesson_utils.cache.paged import PagedKVCache
+    from lesson_utils.lab.step_profile import count_step_operators
+    from lesson_utils.memory.block_table import blocks_needed
+    from lesson_utils.serving.engine import Engine
+
+    if sequences < 1:
+        raise ValueError(f"count a step of at least one decoding sequence, got {sequences}")
+    block = 16
+    blocks = sequences * blocks_needed(prompt_len + 4, block) + blocks_needed(prompt_tokens + 4, block) + 2
+    if cache is None:
+        cache = PagedKVCache.for_model(w, blocks, block, batched_decode=True)
+    engine = Engine(w, cache, stop_at_eos=False)
+    token = w.bos_token_id if w.bos_token_id is not None else 1
+    for _ in range(sequences):
+        engine.add_request([token] * prompt_len, 4)
+    engine.step()  # the prompts; the counted step decodes every sequence
+    if prompt_tokens:
+        engine.add_request([token] * prompt_tokens, 2)  # prefilled whole in the counted step, beside the decodes
+    return count_step_operators(engine)
+
+
+def launch_step_s(bound_s: float, operators: float, launch_s: float) -> float:
+    """A step's predicted time with its launches: the longer of its device work ``bound_s`` and ``operators`` launches
+    of ``launch_s`` each from one host thread (:meth:`T4DecodePrediction.step_s`'s rule, for any step)."""
+    return max(bound_s, operators * launch_s)
+
+
+def launch_reading(bound_s: float, operators: float) -> str:
+    """Which term sets a step's predicted time over the assumed launch costs :data:`LAUNCH_COSTS_S`, computed from the
+    numbers: launch-bound at every cost, at none, or from a cost inside the range."""
+    lo, hi = LAUNCH_COSTS_S[0], LAUNCH_COSTS_S[-1]
+    if not operators:
+        return "no operators counted: the launch term is left out"
+    edge = bound_s / operators  # per launch, the launches take as long as the device work
+    if edge < lo:
+        return (
+            f"launch-bound at every assumed cost (from {edge * 1e6:.2f} µs per launch): in eager PyTorch the host's "
+            "launches, not the bytes, would set this step's time"
+        )
+    if edge >= hi:
+        return (
+            f"bound by its bytes and FLOPs at every assumed cost (the launches hide behind the device's work up to "
+            f"{edge * 1e6:.1f} µs each)"
+        )
+    return (
+        f"launch-bound above {edge * 1e6:.1f} µs per launch, inside the assumed {lo * 1e6:.0f}-{hi * 1e6:.0f} µs: which "
+        "side a T4 falls on, only a GPU run can say"
+    )
+
+
+def launches_text(prediction: T4DecodePrediction) -> str:
+    """Tokens per second of ``prediction`` without launches and at each assumed launch cost, with its operator count."""
+    costs = ", ".join(f"{prediction.tokens_per_s(c):,.0f} at {c * 1e6:.0f} µs" for c in LAUNCH_COSTS_S)
+    return (
+        f"{prediction.tokens_per_s():,.0f} tokens/s without launches; with its {prediction.operators:.0f} operator "
+        f"launches {costs} per launch (an assumed range)"
+    )

@@ -86,3 +86,31 @@ def test_the_profiler_leaves_no_log_lines_in_a_notebooks_output(capfd):
     assert "profiler_start" not in out + err and "profiler_stop" not in out + err  # Kineto's two lines, on fd 2
     assert "a warning of our own" in err  # Python's stderr is untouched afterwards
     assert any(e.name.startswith("aten::") for e in prof.events())
+
+
+def test_the_launch_reading_follows_the_numbers():
+    lo, hi = t4_roofline.LAUNCH_COSTS_S[0], t4_roofline.LAUNCH_COSTS_S[-1]
+    bound = 1e-3
+    assert t4_roofline.launch_reading(bound, bound / (0.5 * lo)).startswith("launch-bound at every")
+    assert t4_roofline.launch_reading(bound, bound / (2 * hi)).startswith("bound by its bytes")
+    assert t4_roofline.launch_reading(bound, bound / (0.5 * (lo + hi))).startswith("launch-bound above")
+    assert "left out" in t4_roofline.launch_reading(bound, 0)
+    assert t4_roofline.launch_step_s(bound, 100, 20e-6) == pytest.approx(2e-3)
+    assert t4_roofline.launch_step_s(bound, 100, 1e-6) == bound
+    pred = t4_roofline.t4_decode(125_000_000, 36_864, 4, 50, operators=600)
+    text = t4_roofline.launches_text(pred)
+    assert "600 operator launches" in text and all(f"at {c * 1e6:.0f} µs" in text for c in t4_roofline.LAUNCH_COSTS_S)
+
+
+def test_the_counted_step_is_a_real_step_with_or_without_a_prompt_beside_its_decodes():
+    import torch
+
+    from lesson_utils.model import weights_from_hf
+    from lesson_utils.model.catalog import random_causal_lm, tiny_config
+
+    w = weights_from_hf(random_causal_lm(tiny_config("opt", layers=2), 0).to(torch.float32))
+    decodes = t4_roofline.count_decode_operators(w, 3)
+    mixed = t4_roofline.count_decode_operators(w, 3, prompt_tokens=20)
+    assert 0 < decodes < mixed  # a prompt beside the decodes launches its own operators
+    with pytest.raises(ValueError, match="at least one"):
+        t4_roofline.count_decode_operators(w, 0)

@@ -303,16 +303,16 @@ def test_the_longest_still_stretch_counts_from_the_start_to_the_end():
 def test_a_long_cell_without_a_progress_bar_is_named_as_silent():
     import nbformat
 
-    from course_tools import run_all
+    from course_tools import nb_outputs
 
     cell = nbformat.v4.new_code_cell("# a comment\nslow_thing()\nmore()")
-    assert run_all.silent_cell(cell, 4.0) is None  # short enough
-    assert run_all.silent_cell(cell, 12.3) == "12.3 s without a progress bar: `slow_thing()`"
+    assert nb_outputs.silent_cell(cell, 4.0) is None  # short enough
+    assert nb_outputs.silent_cell(cell, 12.3) == "12.3 s without a progress bar: `slow_thing()`"
     widget = {"application/vnd.jupyter.widget-view+json": {"model_id": "x"}, "text/plain": "  0%|"}
     cell.outputs = [nbformat.v4.new_output("display_data", data=widget)]
-    assert run_all.silent_cell(cell, 60.0) is None
+    assert nb_outputs.silent_cell(cell, 60.0) is None
     cell.outputs = [nbformat.v4.new_output("stream", name="stderr", text="serving:  40%|####      | 4/10")]
-    assert run_all.silent_cell(cell, 60.0) is None
+    assert nb_outputs.silent_cell(cell, 60.0) is None
     cell.outputs = [nbformat.v4.new_output("stream", name="stdout", text="done: 40% of the blocks")]
-    assert run_all.silent_cell(cell, 60.0) is not None  # a percentage is not a bar
-    assert run_all.silent_cell(nbformat.v4.new_markdown_cell("text"), 60.0) is None
+    assert nb_outputs.silent_cell(cell, 60.0) is not None  # a percentage is not a bar
+    assert nb_outputs.silent_cell(nbformat.v4.new_markdown_cell("text"), 60.0) is None

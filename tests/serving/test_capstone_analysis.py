@@ -155,3 +155,16 @@ def test_capstone_errors_and_numbers_print_nothing_undefined():
     assert _clean(capstone.percent_text(None)).startswith("n/a")
     assert capstone.percent_text(0.123) == "+12 %" and capstone.percent_text(-0.2, sign=False) == "20 %"
     assert timing.number_text(float("inf"), 2, "x", "n/a") == "n/a" and timing.ratio_of(3, 0) is None
+
+
+def test_a_gain_is_placed_against_the_papers_range_only_where_its_spread_decides():
+    from lesson_utils.lab.capstone import against_paper_range
+
+    assert against_paper_range(1.63, (1.61, 1.67)).startswith("below the paper's 2.7-8x")
+    assert against_paper_range(3.1).startswith("inside")
+    assert against_paper_range(9.0, (8.5, 9.5)).startswith("above")
+    assert against_paper_range(2.8, (2.5, 3.0)).startswith("undecided")  # the spread crosses 2.7
+    assert against_paper_range(None).startswith("no verdict")
+    assert against_paper_range(float("nan")).startswith("no verdict")
+    assert against_paper_range(1.5, at_least=True).startswith("undecided")  # a lower bound under the range
+    assert against_paper_range(3.0, at_least=True).startswith("at least 3.00x")
