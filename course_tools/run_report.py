@@ -162,10 +162,14 @@ def record_run(run_dir: Path | str, dest: Path | str) -> Path:
     run_dir, dest = Path(run_dir), Path(dest)
     summary = load_summary(run_dir)
     dest.mkdir(parents=True, exist_ok=True)
+    results = [NotebookResult(**record) for record in summary["notebooks"]]
+    for (
+        r
+    ) in results:  # a notebook recorded again: its earlier figures go, so the folder holds only what its report shows
+        shutil.rmtree(dest / "figures" / r.kind / Path(r.path).stem, ignore_errors=True)
     if (run_dir / "figures").is_dir():
         shutil.copytree(run_dir / "figures", dest / "figures", dirs_exist_ok=True)
     shutil.copy2(run_dir / "summary.json", dest / "summary.json")
-    results = [NotebookResult(**record) for record in summary["notebooks"]]
     return write_report(results, dest, wall_seconds=summary.get("settings", {}).get("wall_seconds"))
 
 

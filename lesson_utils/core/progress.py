@@ -2,7 +2,8 @@
 
 tqdm redraws a bar only when it is updated; a single call that takes seconds would leave it frozen. :func:`busy`
 shows the elapsed time and refreshes it from a background thread every half second, so a learner sees that the cell
-is working, and what on. Headless runs show it too (the course's runner reads bars to find silent cells).
+is working, and what on; :func:`ticking` does the same for a bar whose updates are seconds apart. Headless runs show
+them too (the course's runner names cells in which nothing moved for seconds).
 """
 
 from __future__ import annotations
@@ -21,6 +22,20 @@ def busy(desc: str, *, show: bool = True, interval_s: float = 0.5) -> Iterator[N
     from tqdm.auto import tqdm
 
     bar = tqdm(total=None, desc=desc, bar_format="{desc}: {elapsed}", leave=False)
+    try:
+        with ticking(bar, interval_s):
+            yield
+    finally:
+        bar.close()
+
+
+@contextlib.contextmanager
+def ticking(bar, interval_s: float = 1.0) -> Iterator[None]:
+    """Redraw ``bar`` every ``interval_s`` from a background thread while the block runs, so its clock moves between
+    two updates that are seconds apart (a bar of a few timed runs). ``bar`` None: nothing to redraw."""
+    if bar is None:
+        yield
+        return
     stop = threading.Event()
 
     def tick() -> None:
@@ -34,4 +49,3 @@ def busy(desc: str, *, show: bool = True, interval_s: float = 0.5) -> Iterator[N
     finally:
         stop.set()
         ticker.join()
-        bar.close()

@@ -40,6 +40,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from lesson_utils.core.progress import busy
+
 NEAR_TIE = {torch.float32: 1e-4, torch.float16: 0.25, torch.bfloat16: 1.0}
 
 IDENTICAL, NEAR_TIE_VERDICT, DIFFERENT = "identical", "near-tie", "different"
@@ -241,21 +243,23 @@ def compare_all(
     *,
     threshold: float | None = None,
     w=None,
+    progress: bool = True,
 ) -> IdentityReport:
     """The rule over several prompts (same order in all three lists). With ``w`` (the course's weights (``weights_from_hf``) of
     ``model``) and no ``threshold``, the threshold is calibrated on these prompts and references
-    (:func:`calibrate`) and the report says what share of steps it could excuse."""
+    (:func:`calibrate`) and the report says what share of steps it could excuse. ``progress``: a clock that moves
+    while the reference model reruns every prompt (seconds on a CPU)."""
     if not (len(prompts) == len(references) == len(outputs)):
         raise ValueError(f"{len(prompts)} prompts, {len(references)} references and {len(outputs)} outputs")
     calibration = None
-    if w is not None and threshold is None:
-        calibration = calibrate(
-            model, w, [list(p) + list(r) for p, r in zip(prompts, references) if len(p) + len(r) > 1]
-        )
-        threshold = calibration.threshold
-    return IdentityReport(
-        [compare(model, p, r, o, threshold=threshold) for p, r, o in zip(prompts, references, outputs)], calibration
-    )
+    with busy(f"checking {len(prompts)} answers with the identity rule", show=progress):
+        if w is not None and threshold is None:
+            calibration = calibrate(
+                model, w, [list(p) + list(r) for p, r in zip(prompts, references) if len(p) + len(r) > 1]
+            )
+            threshold = calibration.threshold
+        compared = [compare(model, p, r, o, threshold=threshold) for p, r, o in zip(prompts, references, outputs)]
+    return IdentityReport(compared, calibration)
 
 
 def compare_with_hf(

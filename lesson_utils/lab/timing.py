@@ -22,6 +22,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from lesson_utils.core.progress import ticking
 from lesson_utils.core.types import is_int
 
 CONTENTION_WARNING = 0.25  # other processes' share of all cores' time above which a measurement is flagged
@@ -265,28 +266,29 @@ def measure(
         from tqdm.auto import tqdm
 
         bar = tqdm(total=len(names) * (repeats + warmup), desc=progress, leave=False)
-    for _ in range(warmup):
-        for name in names:
-            warm[name]()
-            if bar is not None:
-                bar.update(1)
-    order = alternating_order(names, repeats)
-    timings = {name: Timing(name, [], unit if value is not None else "s") for name in names}
-    probe = ContentionProbe().start()
-    for round_names in order:
-        for name in round_names:
-            if sync is not None:
-                sync()
-            t0 = time.perf_counter()
-            result = variants[name]()
-            if sync is not None:
-                sync()
-            seconds = time.perf_counter() - t0
-            timings[name].samples.append(float(value(result, seconds)) if value is not None else seconds)
-            timings[name].results.append(result)
-            if bar is not None:
-                bar.update(1)
-    probe.stop()
+    with ticking(bar):  # its clock moves between runs seconds apart (a redraw a second: nothing measurable)
+        for _ in range(warmup):
+            for name in names:
+                warm[name]()
+                if bar is not None:
+                    bar.update(1)
+        order = alternating_order(names, repeats)
+        timings = {name: Timing(name, [], unit if value is not None else "s") for name in names}
+        probe = ContentionProbe().start()
+        for round_names in order:
+            for name in round_names:
+                if sync is not None:
+                    sync()
+                t0 = time.perf_counter()
+                result = variants[name]()
+                if sync is not None:
+                    sync()
+                seconds = time.perf_counter() - t0
+                timings[name].samples.append(float(value(result, seconds)) if value is not None else seconds)
+                timings[name].results.append(result)
+                if bar is not None:
+                    bar.update(1)
+        probe.stop()
     if bar is not None:
         bar.close()
     return Measurement(timings, repeats, warmup, order, probe.share, probe.how)

@@ -30,6 +30,7 @@ import torch
 
 from lesson_utils.cache.host_blocks import HostBlocks
 from lesson_utils.cache.seam import ServingCache
+from lesson_utils.core.progress import ticking
 from lesson_utils.core.types import MemoryManager, Request, Sequence, SequenceStatus, SlotKind, is_int
 from lesson_utils.model.weights import ModelWeights
 from lesson_utils.serving.beam_search import BeamGroup
@@ -291,10 +292,11 @@ class Engine:
             from tqdm.auto import tqdm
 
             bar = tqdm(total=total, desc="serving", unit="token", leave=False)
-        while self.scheduler.has_work:
-            self.step()
-            if bar is not None:
-                bar.update(self.stats[-1].tokens)
+        with ticking(bar):  # a slow step (a long prompt in the Triton interpreter) still shows a moving clock
+            while self.scheduler.has_work:
+                self.step()
+                if bar is not None:
+                    bar.update(self.stats[-1].tokens)
         if bar is not None:
             bar.close()
 

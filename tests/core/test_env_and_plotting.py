@@ -247,3 +247,25 @@ def test_busy_keeps_a_bar_moving_while_one_long_call_runs(monkeypatch):
     with busy("nothing", show=False):
         pass
     assert events == []
+
+
+def test_a_ticking_bar_is_redrawn_between_updates_seconds_apart():
+    import time
+
+    from lesson_utils.core.progress import ticking
+
+    class Bar:
+        refreshes = 0
+
+        def refresh(self):
+            self.refreshes += 1
+
+    bar = Bar()
+    with ticking(bar, interval_s=0.05):
+        time.sleep(0.3)
+    after = bar.refreshes
+    assert after >= 3  # its clock moved while nothing updated it
+    time.sleep(0.15)
+    assert bar.refreshes == after  # and the redrawing stopped with the block
+    with ticking(None):  # no bar (progress off): nothing to redraw
+        pass

@@ -276,6 +276,10 @@ def test_a_recorded_run_links_only_to_what_it_keeps(ran, tmp_path):
     assert _dead_links(report) == [] and "Executed notebook" not in text and "not kept with this report" in text
     assert (tmp_path / "recorded" / "summary.json").is_file() and "![" in text  # figures came along
     assert run_all.load_summary(tmp_path / "recorded")["notebooks"] == run_all.load_summary(out)["notebooks"]
+    stale = tmp_path / "recorded" / "figures" / "solutions" / "01_good" / "cell099_0.png"  # from an earlier recording
+    stale.write_bytes(b"old")
+    again = run_all.record_run(out, tmp_path / "recorded")
+    assert not stale.exists() and _dead_links(again) == [] and "![" in again.read_text()
 
 
 def test_a_stretch_with_nothing_moving_is_named(ran):
