@@ -1,0 +1,271 @@
+"""One thread that serves the engine while requests arrive from elsewhere (an HTTP server's event loop).
+
+The engine is not thread-safe, and need not be: only this loop's thread touches it. A caller hands a request in with
+:meth:`EngineLoop.submit` (the loop admits it between two steps and answers through a future), cancels one with
+:meth:`EngineLoop.abort`, and receives each sample's new text through the ``sink`` it gave - called from the loop's
+thread, so an asyncio server wraps it with ``loop.call_soon_threadsafe``. The loop steps while any request runs and
+sleeps on an event when none does.
+
+Invariants: a request's every sample ends with exactly one :class:`Output` whose ``finish_reason`` is set; an
+aborted request (a client that went away) is cancelled in the engine before the next step, so its blocks are free
+then; the waiting line never holds more than ``max_waiting`` requests (:class:`QueueFull` otherwise).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Callable
+
+from lesson_utils.api.detokenizer import IncrementalDetokenizer, StopStrings
+from lesson_utils.core.types import SequenceStatus
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """What a client asked for, checked by the protocol layer."""
+
+    max_tokens: int
+    n: int = 1
+    temperature: float = 0.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Output:
+    """New output of one sample: ``text`` safe to show, the ``token_ids`` generated since the last one, and, on the
+    sample's last output, why it ended: ``"stop"`` (end of turn or a stop string), ``"length"`` (``max_tokens``),
+    ``"abort"`` (cancelled) or ``"error"`` (the engine refused a step: ``error`` says why)."""
+
+    index: int
+    text: str
+    token_ids: tuple[int, ...]
+    finish_reason: str | None = None
+    error: str | None = None
+
+
+class QueueFull(RuntimeError):
+    """The waiting line is full: answer 429 and ask the client to retry later."""
+
+
+@dataclass
+class _Sample:
+    detok: IncrementalDetokenizer
+    stops: StopStrings
+    sent_ids: int = 0
+    done: bool = False
+
+
+@dataclass
+class RequestHandle:
+    """One submitted request, as the caller sees it: its id, prompt length and timings (``perf_counter`` seconds)."""
+
+    request_id: int
+    prompt_len: int
+    params: SamplingParams
+    arrived_s: float
+    first_token_s: float | None = None
+    token_times: list[float] = field(default_factory=list)  # when each output carrying tokens left the loop
+    completion_tokens: int = 0
+    finished: bool = False
+
+
+@dataclass
+class _Live:
+    handle: RequestHandle
+    seq: object  # the engine's first sample (a Sequence)
+    sink: Callable[[Output], None]
+    samples: list[_Sample]
+    abort_asked: bool = False
+
+
+@dataclass(frozen=True)
+class LoopStats:
+    running: int
+    waiting: int
+    blocks_used: int
+    blocks_total: int
+
+
+class EngineLoop:
+    """Serve ``engine`` from a background thread; ``tokenizer`` turns tokens into text for the sinks."""
+
+    def __init__(self, engine, tokenizer, *, max_waiting: int = 64, idle_wait_s: float = 0.05):
+        self.engine, self.tokenizer = engine, tokenizer
+        self.max_waiting = max_waiting
+        self.idle_wait_s = idle_wait_s
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._live: dict[int, _Live] = {}
+        self._next_id = 0
+        self._lock = threading.Lock()  # guards _next_id and stats
+        self.stats = LoopStats(0, 0, 0, engine.manager.view.num_blocks)
+        self.on_output: Callable[[RequestHandle, Output], None] | None = None  # metrics hook
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+
+    # ---- the caller's side (any thread) ------------------------------------------------------------------------
+    def start(self) -> "EngineLoop":
+        self._thread.start()
+        return self
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout)
+
+    def submit(self, prompt_ids: list[int], params: SamplingParams, sink: Callable[[Output], None]) -> Future:
+        """Hand a request to the loop; the future resolves to its :class:`RequestHandle` once admitted to the
+        engine's waiting line, or to the engine's refusal (``ValueError``: too long, an id outside the vocabulary),
+        or :class:`QueueFull`."""
+        future: Future = Future()
+        self._commands.put(("submit", (list(prompt_ids), params, sink), future))
+        self._wake.set()
+        return future
+
+    def abort(self, handle: RequestHandle) -> None:
+        """Cancel a request (a client disconnected); its blocks are free before the loop's next step."""
+        self._commands.put(("abort", handle.request_id, None))
+        self._wake.set()
+
+    def call(self, fn: Callable[[], object]) -> Future:
+        """Run ``fn()`` in the loop's thread between two steps (to read the engine safely); its result as a future."""
+        future: Future = Future()
+        self._commands.put(("call", fn, future))
+        self._wake.set()
+        return future
+
+    # ---- the loop's thread -----------------------------------------------------------------------------------
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._handle_commands()
+            if self.engine.scheduler.has_work:
+                try:
+                    self.engine.step()
+                except Exception as err:  # noqa: BLE001 - a refused step changed nothing; end every request with it
+                    self._fail_all(f"{type(err).__name__}: {err}")
+                self._publish()
+            else:
+                self._wake.wait(self.idle_wait_s)
+                self._wake.clear()
+            self._note_stats()
+
+    def _handle_commands(self) -> None:
+        while True:
+            try:
+                kind, payload, future = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "submit":
+                self._admit(*payload, future)
+            elif kind == "abort":
+                self._cancel(payload)
+            else:
+                try:
+                    future.set_result(payload())
+                except Exception as err:  # noqa: BLE001 - the caller gets it
+                    future.set_exception(err)
+
+    def _admit(self, prompt_ids, params: SamplingParams, sink, future: Future) -> None:
+        if len(self.engine.scheduler.waiting) >= self.max_waiting:
+            future.set_exception(QueueFull(f"{self.max_waiting} requests are already waiting"))
+            return
+        try:
+            seq = self.engine.add_request(
+                prompt_ids, params.max_tokens, n=params.n, temperature=params.temperature, seed=params.seed
+            )
+        except Exception as err:  # noqa: BLE001 - the engine's refusal names the problem; nothing was queued
+            future.set_exception(err)
+            return
+        with self._lock:
+            self._next_id += 1
+            rid = self._next_id
+        handle = RequestHandle(rid, len(prompt_ids), params, time.perf_counter())
+        samples = [
+            _Sample(IncrementalDetokenizer(self.tokenizer, prompt_ids), StopStrings(list(params.stop)))
+            for _ in range(params.n)
+        ]
+        self._live[rid] = _Live(handle, seq, sink, samples)
+        future.set_result(handle)
+
+    def _cancel(self, request_id: int, reason: str = "abort", error: str | None = None) -> None:
+        live = self._live.pop(request_id, None)
+        if live is None:
+            return  # already finished: nothing holds memory
+        for s in self._engine_samples(live):
+            if s.status in (SequenceStatus.WAITING, SequenceStatus.RUNNING, SequenceStatus.SWAPPED):
+                self.engine.scheduler.abort(s)
+        live.seq.pending_forks = 0
+        live.handle.finished = True
+        for i, sample in enumerate(live.samples):
+            if not sample.done:
+                sample.done = True
+                self._send(live, Output(i, "", (), reason, error))
+
+    def _fail_all(self, why: str) -> None:
+        for rid in list(self._live):
+            self._cancel(rid, "error", why)
+
+    def _send(self, live: _Live, out: Output) -> None:
+        live.sink(out)
+        if self.on_output is not None:
+            self.on_output(live.handle, out)
+
+    @staticmethod
+    def _engine_samples(live: _Live) -> list:
+        return list(live.seq.samples or [live.seq])
+
+    def _publish(self) -> None:
+        now = time.perf_counter()
+        for rid in list(self._live):
+            live = self._live[rid]
+            for i, s in enumerate(self._engine_samples(live)):
+                out = self._new_output(live, i, s)
+                if out is None:
+                    continue
+                if out.token_ids:
+                    if live.handle.first_token_s is None:
+                        live.handle.first_token_s = now
+                    live.handle.token_times.append(now)
+                    live.handle.completion_tokens += len(out.token_ids)
+                self._send(live, out)
+            if all(sample.done for sample in live.samples):
+                live.handle.finished = True
+                del self._live[rid]
+
+    def _new_output(self, live: _Live, i: int, s) -> Output | None:
+        sample = live.samples[i]
+        if sample.done:
+            return None
+        new = s.output_ids[sample.sent_ids :]
+        sample.sent_ids = len(s.output_ids)
+        text, stopped = sample.stops.feed(sample.detok.push(new)) if new else ("", False)
+        finish = None
+        if stopped:
+            if s.status in (SequenceStatus.WAITING, SequenceStatus.RUNNING, SequenceStatus.SWAPPED):
+                self.engine.scheduler.abort(s)  # a stop string ends this sample now: its blocks come back
+            finish = "stop"
+        elif s.status is SequenceStatus.FINISHED:
+            text += sample.stops.feed(sample.detok.flush())[0] + sample.stops.flush()
+            eos = self.engine.w.eos_token_id
+            finish = "stop" if eos is not None and s.output_ids[-1:] == [eos] else "length"
+        if finish is not None:
+            sample.done = True
+        if not text and not new and finish is None:
+            return None
+        return Output(i, text, tuple(int(t) for t in new), finish)
+
+    def _note_stats(self) -> None:
+        view = self.engine.manager.view
+        free = self.engine.manager.num_free_blocks
+        with self._lock:
+            self.stats = LoopStats(
+                len(self.engine.scheduler.running),
+                len(self.engine.scheduler.waiting),
+                view.num_blocks - (free or 0),
+                view.num_blocks,
+            )
