@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from importlib import resources
 
 from fastapi import FastAPI, Request
@@ -55,7 +56,7 @@ class _Endpoints:
             raise APIError(400, f"the chat template refused these messages: {err}", "messages") from err
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
-    async def serve(self, request: Request, body, prompt_ids: list[int], chat: bool):
+    async def serve(self, request: Request, body, prompt_ids: list[int], chat: bool, arrived: float):
         where = "messages" if chat else "prompt"
         if not prompt_ids:
             raise APIError(400, "the prompt is empty", where)
@@ -70,7 +71,7 @@ class _Endpoints:
                 "max_tokens",
                 code="context_length_exceeded",
             )
-        params = SamplingParams(max_tokens, body.n, body.temperature, body.seed, tuple(stops_of(body)))
+        params = SamplingParams(max_tokens, body.n, body.temperature, body.seed, tuple(stops_of(body)), body.cache_salt)
         aloop = asyncio.get_running_loop()
         outputs: asyncio.Queue[Output] = asyncio.Queue()
 
@@ -78,7 +79,7 @@ class _Endpoints:
             aloop.call_soon_threadsafe(outputs.put_nowait, out)
 
         try:
-            handle = await asyncio.wrap_future(self.loop.submit(prompt_ids, params, sink))
+            handle = await asyncio.wrap_future(self.loop.submit(prompt_ids, params, sink, arrived))
         except QueueFull as err:
             busy = APIError(429, f"the server is busy: {err}; retry later", type="rate_limit_error", code="queue_full")
             return JSONResponse(busy.body(), 429, headers={"Retry-After": str(RETRY_AFTER_S)})
@@ -201,12 +202,14 @@ def create_app(loop: EngineLoop, model_name: str, max_model_len: int) -> FastAPI
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
+        arrived = time.perf_counter()  # the server's clock for this request: before checks and tokenizing
         check_request(body, model_name)
-        return await ends.serve(request, body, ends.completion_prompt(body), chat=False)
+        return await ends.serve(request, body, ends.completion_prompt(body), chat=False, arrived=arrived)
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatRequest, request: Request):
+        arrived = time.perf_counter()
         check_request(body, model_name)
-        return await ends.serve(request, body, ends.chat_prompt(body), chat=True)
+        return await ends.serve(request, body, ends.chat_prompt(body), chat=True, arrived=arrived)
 
     return app

@@ -13,6 +13,7 @@ then; the waiting line never holds more than ``max_waiting`` requests (:class:`Q
 
 from __future__ import annotations
 
+import collections
 import queue
 import threading
 import time
@@ -20,7 +21,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Callable
 
-from lesson_utils.api.detokenizer import IncrementalDetokenizer, StopStrings
+from lesson_utils.api.cancel import LIVE, cancel_request
+from lesson_utils.api.detokenizer import IncrementalDetokenizer, StopStrings, safe_new_text
 from lesson_utils.core.types import SequenceStatus
 
 
@@ -33,6 +35,7 @@ class SamplingParams:
     temperature: float = 0.0
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    cache_salt: str | None = None  # prefix-cache blocks shared only with requests of the same salt
 
 
 @dataclass(frozen=True)
@@ -94,8 +97,20 @@ class LoopStats:
 class EngineLoop:
     """Serve ``engine`` from a background thread; ``tokenizer`` turns tokens into text for the sinks."""
 
-    def __init__(self, engine, tokenizer, *, max_waiting: int = 64, idle_wait_s: float = 0.05):
+    def __init__(
+        self,
+        engine,
+        tokenizer,
+        *,
+        max_waiting: int = 64,
+        idle_wait_s: float = 0.05,
+        cancel=cancel_request,
+        text_rule=safe_new_text,
+    ):
+        """``cancel(engine, seq)`` and ``text_rule`` (see :func:`~.detokenizer.safe_new_text`) are lesson 13's
+        exercises; the references by default."""
         self.engine, self.tokenizer = engine, tokenizer
+        self.cancel, self.text_rule = cancel, text_rule
         self.max_waiting = max_waiting
         self.idle_wait_s = idle_wait_s
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
@@ -106,6 +121,7 @@ class EngineLoop:
         self._lock = threading.Lock()  # guards _next_id and stats
         self.stats = LoopStats(0, 0, 0, engine.manager.view.num_blocks)
         self.on_output: Callable[[RequestHandle, Output], None] | None = None  # metrics hook
+        self.done: collections.deque[RequestHandle] = collections.deque(maxlen=10_000)  # ended, newest last
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
 
     # ---- the caller's side (any thread) ------------------------------------------------------------------------
@@ -118,12 +134,20 @@ class EngineLoop:
         self._wake.set()
         self._thread.join(timeout)
 
-    def submit(self, prompt_ids: list[int], params: SamplingParams, sink: Callable[[Output], None]) -> Future:
+    def submit(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        sink: Callable[[Output], None],
+        arrived: float | None = None,
+    ) -> Future:
         """Hand a request to the loop; the future resolves to its :class:`RequestHandle` once admitted to the
         engine's waiting line, or to the engine's refusal (``ValueError``: too long, an id outside the vocabulary),
-        or :class:`QueueFull`."""
+        or :class:`QueueFull`. ``arrived`` (``perf_counter`` seconds): when the server received the request - its
+        clock starts there, not when the loop gets to it between two steps; default now."""
         future: Future = Future()
-        self._commands.put(("submit", (list(prompt_ids), params, sink), future))
+        arrived = time.perf_counter() if arrived is None else arrived
+        self._commands.put(("submit", (list(prompt_ids), params, sink, arrived), future))
         self._wake.set()
         return future
 
@@ -170,13 +194,18 @@ class EngineLoop:
                 except Exception as err:  # noqa: BLE001 - the caller gets it
                     future.set_exception(err)
 
-    def _admit(self, prompt_ids, params: SamplingParams, sink, future: Future) -> None:
+    def _admit(self, prompt_ids, params: SamplingParams, sink, arrived: float, future: Future) -> None:
         if len(self.engine.scheduler.waiting) >= self.max_waiting:
             future.set_exception(QueueFull(f"{self.max_waiting} requests are already waiting"))
             return
         try:
             seq = self.engine.add_request(
-                prompt_ids, params.max_tokens, n=params.n, temperature=params.temperature, seed=params.seed
+                prompt_ids,
+                params.max_tokens,
+                n=params.n,
+                temperature=params.temperature,
+                seed=params.seed,
+                cache_salt=params.cache_salt,
             )
         except Exception as err:  # noqa: BLE001 - the engine's refusal names the problem; nothing was queued
             future.set_exception(err)
@@ -184,9 +213,11 @@ class EngineLoop:
         with self._lock:
             self._next_id += 1
             rid = self._next_id
-        handle = RequestHandle(rid, len(prompt_ids), params, time.perf_counter())
+        handle = RequestHandle(rid, len(prompt_ids), params, arrived)
         samples = [
-            _Sample(IncrementalDetokenizer(self.tokenizer, prompt_ids), StopStrings(list(params.stop)))
+            _Sample(
+                IncrementalDetokenizer(self.tokenizer, prompt_ids, rule=self.text_rule), StopStrings(list(params.stop))
+            )
             for _ in range(params.n)
         ]
         self._live[rid] = _Live(handle, seq, sink, samples)
@@ -196,11 +227,9 @@ class EngineLoop:
         live = self._live.pop(request_id, None)
         if live is None:
             return  # already finished: nothing holds memory
-        for s in self._engine_samples(live):
-            if s.status in (SequenceStatus.WAITING, SequenceStatus.RUNNING, SequenceStatus.SWAPPED):
-                self.engine.scheduler.abort(s)
-        live.seq.pending_forks = 0
+        self.cancel(self.engine, live.seq)
         live.handle.finished = True
+        self.done.append(live.handle)
         for i, sample in enumerate(live.samples):
             if not sample.done:
                 sample.done = True
@@ -235,6 +264,7 @@ class EngineLoop:
                 self._send(live, out)
             if all(sample.done for sample in live.samples):
                 live.handle.finished = True
+                self.done.append(live.handle)
                 del self._live[rid]
 
     def _new_output(self, live: _Live, i: int, s) -> Output | None:
@@ -246,7 +276,7 @@ class EngineLoop:
         text, stopped = sample.stops.feed(sample.detok.push(new)) if new else ("", False)
         finish = None
         if stopped:
-            if s.status in (SequenceStatus.WAITING, SequenceStatus.RUNNING, SequenceStatus.SWAPPED):
+            if s.status in LIVE:
                 self.engine.scheduler.abort(s)  # a stop string ends this sample now: its blocks come back
             finish = "stop"
         elif s.status is SequenceStatus.FINISHED:

@@ -60,6 +60,7 @@ class _Common(BaseModel):
     stream: bool = False
     stream_options: dict | None = None
     user: str | None = None
+    cache_salt: str | None = None  # vLLM's extension: prefix-cache blocks shared only under the same salt (a tenant)
     top_p: float | None = None
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
@@ -119,6 +120,8 @@ def check_request(req: _Common, served_model: str) -> None:
     for s in stops_of(req):
         if not s:
             raise APIError(400, "an empty stop string would end every answer at once", "stop")
+    if req.cache_salt is not None and not req.cache_salt:
+        raise APIError(400, "`cache_salt` is a non-empty string (one per tenant)", "cache_salt")
 
 
 def max_tokens_of(req: _Common) -> int | None:

@@ -50,10 +50,12 @@ def start_server(
     port: int = 0,
     max_waiting: int = 64,
     startup_timeout_s: float = 30.0,
+    **loop_options,
 ) -> RunningServer:
     """Serve ``engine`` (its tokens decoded by ``tokenizer``) as ``model_name`` from a background thread; ``port=0``
-    takes a free port. Returns once the server accepts connections."""
-    loop = EngineLoop(engine, tokenizer, max_waiting=max_waiting).start()
+    takes a free port; ``loop_options`` go to :class:`EngineLoop` (``cancel=``, ``text_rule=``: lesson 13's
+    exercises). Returns once the server accepts connections."""
+    loop = EngineLoop(engine, tokenizer, max_waiting=max_waiting, **loop_options).start()
     app = create_app(loop, model_name, engine.w.max_positions)
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="off"))
     thread = threading.Thread(target=server.run, name="api-server", daemon=True)

@@ -94,6 +94,7 @@ class Request:
     prompt_ids: list[int] | None = None
     shared_prefix_len: int = 0
     tags: dict = field(default_factory=dict)
+    cache_salt: str | None = None  # lesson 13: a tenant's prefix-cache blocks are found only under the same salt
 
     @property
     def total_len(self) -> int:

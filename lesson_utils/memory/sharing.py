@@ -139,16 +139,26 @@ class SharingBlockManager(BlockManager):
 
     def can_allocate(self, seq: Sequence) -> bool:
         tokens = seq.token_ids
-        hits = self._peek_hits(tokens) if tokens else []
+        hits = self._peek_hits(tokens, self._hash_for(seq)) if tokens else []
         revived = sum(1 for b in hits if self._pool.ref_count[b] == 0)
         need = blocks_needed(seq.len, self._block_size) - len(hits) + revived
         if self._pool.num_used == 0:
             return need <= self._num_blocks
         return need + self.watermark_blocks <= self._pool.num_free
 
-    def _peek_hits(self, tokens: list[int]) -> list[int]:
+    def _hash_for(self, seq: Sequence) -> Callable:
+        """The block hash for ``seq``'s prefix chain: the manager's own, with the chain rooted at the request's
+        ``cache_salt`` when it has one - a tenant's blocks are then found only by requests with the same salt, so the
+        time to first token no longer tells one tenant what another has asked (vLLM's ``cache_salt``)."""
+        salt = seq.request.cache_salt
+        if salt is None:
+            return self._hash
+        root = hash(("cache_salt", salt))
+        return lambda parent, chunk: self._hash(root if parent is NO_PARENT else parent, chunk)
+
+    def _peek_hits(self, tokens: list[int], hash_fn: Callable | None = None) -> list[int]:
         saved = (self._pool.hits, self._pool.lookups)
-        hits = self._prefix(self._pool, tokens, self._block_size, self._hash)
+        hits = self._prefix(self._pool, tokens, self._block_size, hash_fn or self._hash)
         self._pool.hits, self._pool.lookups = saved  # a peek is not a lookup
         return hits
 
@@ -156,7 +166,7 @@ class SharingBlockManager(BlockManager):
         if seq.seq_id in self._tables:
             raise ValueError(f"sequence {seq.seq_id} already holds blocks")
         tokens = seq.token_ids
-        hits = self._prefix(self._pool, tokens, self._block_size, self._hash) if tokens else []
+        hits = self._prefix(self._pool, tokens, self._block_size, self._hash_for(seq)) if tokens else []
         for b in hits:
             self._pool.incref(b)
         self._tables[seq.seq_id] = BlockTable(self._block_size, list(hits), len(hits) * self._block_size)
@@ -193,7 +203,7 @@ class SharingBlockManager(BlockManager):
         full = min(seq.num_computed, len(tokens), table.num_tokens) // self._block_size
         for i in range(len(hashes), full):
             chunk = tokens[i * self._block_size : (i + 1) * self._block_size]
-            h = self._hash(hashes[-1] if hashes else NO_PARENT, chunk)
+            h = self._hash_for(seq)(hashes[-1] if hashes else NO_PARENT, chunk)
             hashes.append(h)
             self._pool.cache(table.blocks[i], h, chunk)
 

@@ -172,12 +172,18 @@ class Engine:
         n: int = 1,
         temperature: float = 0.0,
         seed: int | None = None,
+        cache_salt: str | None = None,
     ) -> Sequence:
         """Queue a request; with ``n > 1`` its samples share the prompt's blocks (forked after the prefill).
+        ``cache_salt``: its prefix-cache blocks are shared only with requests of the same salt (one per tenant).
 
         Returns the first sample; all ``n`` are in its ``samples`` list once they exist.
         """
         req = self._request(prompt_ids, max_new_tokens)
+        if cache_salt is not None:
+            if not isinstance(cache_salt, str) or not cache_salt:
+                raise ValueError(f"cache_salt is a non-empty string (one per tenant), got {cache_salt!r}")
+            req.cache_salt = cache_salt
         if _positive_int(n, "n (samples per prompt)") > 1:
             self._needs_fork(f"n={n} samples share the prompt's blocks")
         seq = Sequence(

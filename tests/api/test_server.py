@@ -139,6 +139,7 @@ def test_a_stop_string_ends_the_answer_before_it(client):
         ({"model": MODEL, "prompt": ""}, 400, "prompt"),
         ({"model": MODEL}, 400, "prompt"),
         ({"model": MODEL, "prompt": "hi", "stop": [""]}, 400, "stop"),
+        ({"model": MODEL, "prompt": "hi", "cache_salt": ""}, 400, "cache_salt"),
     ],
 )
 def test_bad_requests_get_openais_error_shape_and_change_nothing(server, body, status, param):

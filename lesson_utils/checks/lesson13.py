@@ -1,0 +1,207 @@
+"""Checkers for lesson 13 (serve it): the rule for when streamed text is safe to send, and the cancel path a
+disconnected client takes. Both run the learner's code inside the course's own machinery (the detokenizer, a real
+engine) and compare what a client or the engine would see."""
+
+from __future__ import annotations
+
+from lesson_utils.api.cancel import LIVE, cancel_request
+from lesson_utils.api.detokenizer import REPLACEMENT, IncrementalDetokenizer, safe_new_text
+
+from .core import CheckResult, call_learner, failed, not_implemented, passed, short
+
+TEXTS = (
+    "Crème brûlée, 東京の天気 and a 🚀 launch: naïve café ✓",
+    "plain ASCII text with spaces  and\nnew lines",
+    "emoji run: 👩‍💻🧑🏽‍🚀🎉 then words",
+    "中文字符和日本語のテキスト",
+    "numbers 3.14159 and symbols ≤ ≥ ∑ €",
+)
+
+
+def _states(tokenizer, text: str):
+    """Every call the reference makes while the text's tokens arrive one by one: (ids so far, start, sent)."""
+    decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
+    ids, start, sent = [], 0, 0
+    for t in tokenizer.encode(text, add_special_tokens=False):
+        ids.append(t)
+        yield list(ids), start, sent
+        _, start, sent = safe_new_text(decode, ids, start, sent)
+
+
+def _text_hint(expected, got, decode, ids, start, sent) -> str:
+    text, *_ = got
+    if REPLACEMENT in text:
+        return "you sent text with U+FFFD in it: is the last character complete yet, or should it wait?"
+    if got[1:] != expected[1:] and text == expected[0]:
+        return (
+            "the text is right but the window is not: once you send, which tokens are the next call's context, and "
+            "where does the next call's new text start?"
+        )
+    if not expected[0] and text:
+        return "this text is not final yet: what does decode(ids[start:]) end with here?"
+    if expected[0] and not text:
+        return "this text is final: nothing in it is a broken character - why hold it back?"
+    return "the new text is what decode(ids[start:]) adds to decode(ids[start:sent]): compare the two decodes"
+
+
+def check_safe_new_text(fn, tokenizer) -> CheckResult:
+    """Exercise 13-1: ``safe_new_text(decode, ids, start, sent) -> (text, start, sent)`` - the text the new tokens add
+    that is safe to send (held while it is empty or ends in U+FFFD), and the window's next state; then, streamed
+    through the detokenizer token by token and in chunks, every piece free of U+FFFD and the pieces adding up to the
+    whole decode."""
+    name = "safe_new_text"
+    decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
+    calls = 0
+    for text in TEXTS:
+        for ids, start, sent in _states(tokenizer, text):
+            expected = safe_new_text(decode, ids, start, sent)
+            try:
+                got, err = call_learner(fn, decode, list(ids), start, sent)
+            except NotImplementedError:
+                return not_implemented(name, safe_new_text)
+            where = f"streaming {text!r}, after token {len(ids)} (start={start}, sent={sent})"
+            if err is not None:
+                return failed(name, f"{where} your code raised {type(err).__name__}: {err}", safe_new_text)
+            if not (isinstance(got, tuple) and len(got) == 3 and isinstance(got[0], str)):
+                return failed(
+                    name, f"{where} your code returned {short(got)}: return (text, start, sent)", safe_new_text
+                )
+            if tuple(got) != tuple(expected):
+                hint = _text_hint(expected, got, decode, ids, start, sent)
+                return failed(name, f"{where}: expected {expected!r}, got {tuple(got)!r}. {hint}", safe_new_text)
+            calls += 1
+    for text in TEXTS:
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        for chunk in (1, 2, 3):
+            detok = IncrementalDetokenizer(tokenizer, rule=fn)
+            pieces = [detok.push(ids[i : i + chunk]) for i in range(0, len(ids), chunk)]
+            if any(REPLACEMENT in p for p in pieces) or "".join(pieces) + detok.flush() != decode(ids):
+                return failed(
+                    name,
+                    f"streaming {text!r} {chunk} token(s) at a time, the pieces sent did not add up to the text or "
+                    "held a broken character",
+                    safe_new_text,
+                )
+    return passed(
+        name,
+        f"{calls} calls while {len(TEXTS)} texts (accents, CJK, emoji sequences) streamed token by token match the "
+        "rule, and streamed 1, 2 and 3 tokens at a time no piece holds U+FFFD and the pieces add up to the text.",
+        fn,
+        next_line="The server below streams with your rule.",
+    )
+
+
+# ---- exercise 13-2: cancel a request whose client went away --------------------------------------------------------
+def _tiny_engine():
+    import torch
+
+    from lesson_utils.cache.paged import PagedKVCache
+    from lesson_utils.memory.sharing import SharingBlockManager
+    from lesson_utils.model import weights_from_hf
+    from lesson_utils.model.catalog import random_causal_lm, tiny_config
+    from lesson_utils.serving.engine import Engine
+
+    w = weights_from_hf(random_causal_lm(tiny_config("llama"), 13).to(torch.float32))
+    manager = SharingBlockManager(48, 4, enable_prefix_caching=True, max_seq_len=w.max_positions)
+    return Engine(w, PagedKVCache.for_model(w, manager=manager), stop_at_eos=False), manager
+
+
+OTHER = [30, 31, 32, 33, 34, 35, 36]
+
+
+def _alone() -> list[int]:
+    eng, _ = _tiny_engine()
+    return eng.generate([OTHER], 6)[0]
+
+
+def _scenarios():
+    """(description, set-up steps before the cancel): the request to cancel, beside another one served to the end."""
+    return [
+        ("still waiting (never admitted)", 0, 1, None),
+        ("running, one sample", 2, 1, None),
+        ("running, three samples forked after its prefill", 2, 3, None),
+        ("waiting with samples still to fork", 0, 3, None),
+        ("three samples, one already cancelled by a stop string", 2, 3, 1),
+        ("already finished", 12, 1, None),
+    ]
+
+
+def check_cancel_request(fn) -> CheckResult:
+    """Exercise 13-2: ``cancel_request(engine, seq)`` - every sample of ``seq``'s request still waiting, running or
+    swapped is aborted through the scheduler; finished or cancelled ones are left alone; it never raises for a request
+    that has ended. Checked on a real engine beside another request, which must get exactly the tokens it gets alone,
+    and with every block free once it is done."""
+    name = "cancel_request"
+    want = _alone()
+    for what, steps, n, stopped in _scenarios():
+        eng, manager = _tiny_engine()
+        seq = eng.add_request([5, 6, 7, 8, 9, 10, 11], 8, n=n, temperature=1.0 if n > 1 else 0.0, seed=3)
+        other = eng.add_request(list(OTHER), 6)
+        for _ in range(steps):
+            if eng.scheduler.has_work:
+                eng.step()
+        if stopped is not None and len(seq.samples) > stopped:
+            eng.scheduler.abort(seq.samples[stopped])  # its stop string ended it: the server aborted that sample
+        try:
+            _, err = call_learner(fn, eng, seq)
+        except NotImplementedError:
+            return not_implemented(name, cancel_request)
+        where = f"a request {what}"
+        if err is not None:
+            return failed(
+                name,
+                f"for {where} your code raised {type(err).__name__}: {err}. A cancel never raises: "
+                "which samples are still live (their status), and who gives their blocks back?",
+                cancel_request,
+            )
+        live = [s.seq_id for s in (seq.samples or [seq]) if s.status in LIVE]
+        if live:
+            return failed(
+                name,
+                f"for {where}, sample(s) {live} are still waiting or running: cancel every sample of "
+                "the request (seq.samples), not only the one you were given",
+                cancel_request,
+            )
+        samples = seq.samples or [seq]
+        scheduled = list(eng.scheduler.running) + list(eng.scheduler.waiting)
+        still = [s.seq_id for s in samples if any(x is s for x in scheduled) or s.seq_id in manager.view.tables()]
+        if still:
+            return failed(
+                name,
+                f"for {where}, sample(s) {still} still hold blocks or a place in the scheduler right "
+                "after your cancel: a client that left must get its blocks back now, not when its answer "
+                "would have ended - who takes a sequence out of the scheduler and frees its table?",
+                cancel_request,
+            )
+        try:
+            eng.run()
+        except Exception as e:  # noqa: BLE001 - an engine left inconsistent by the learner's code
+            return failed(
+                name,
+                f"for {where}, the engine could not go on after your cancel: {type(e).__name__}: {e}. "
+                "Did you free blocks by hand instead of asking the scheduler to abort?",
+                cancel_request,
+            )
+        if other.output_ids != want:
+            return failed(
+                name,
+                f"for {where}, the other request's tokens changed: a cancel touches only its own request",
+                cancel_request,
+            )
+        if manager.num_free_blocks != manager.view.num_blocks:
+            held = manager.view.num_blocks - manager.num_free_blocks
+            return failed(
+                name,
+                f"for {where}, {held} block(s) were still held after everything ended: which samples kept theirs?",
+                cancel_request,
+            )
+        if len(seq.samples or [seq]) > n:
+            return failed(name, f"for {where}, the request forked more samples after its cancel", cancel_request)
+    return passed(
+        name,
+        f"in {len(_scenarios())} situations (waiting, running, forked, forks pending, one sample already stopped, "
+        "finished) every live sample was aborted, nothing raised, the other request got exactly its tokens alone, "
+        "and every block was free at the end.",
+        fn,
+        next_line="The server below cancels disconnected clients' requests with your function.",
+    )

@@ -1,0 +1,111 @@
+"""Lesson 13's checkers against the references and plausible wrong answers."""
+
+from __future__ import annotations
+
+import pytest
+from helpers import rejected
+
+from lesson_utils.api.cancel import LIVE, cancel_request
+from lesson_utils.api.detokenizer import REPLACEMENT, safe_new_text
+from lesson_utils.checks import lesson13
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from transformers import AutoTokenizer
+
+    from lesson_utils.model.trained import trained_folder
+
+    return AutoTokenizer.from_pretrained(trained_folder(show=False))
+
+
+# ---- exercise 1: the text rule -------------------------------------------------------------------------------------
+def sends_every_token(decode, ids, start, sent):
+    return decode(ids[sent:]), sent, len(ids)
+
+
+def never_holds_broken_text(decode, ids, start, sent):
+    before, after = decode(ids[start:sent]), decode(ids[start:])
+    return after[len(before) :], sent, len(ids)
+
+
+def never_moves_the_window(decode, ids, start, sent):
+    text, _, _ = safe_new_text(decode, ids, start, sent)
+    return text, start, sent
+
+
+def holds_everything(decode, ids, start, sent):
+    return "", start, sent
+
+
+def returns_a_list(decode, ids, start, sent):
+    return list(safe_new_text(decode, ids, start, sent))
+
+
+def strips_the_replacement(decode, ids, start, sent):
+    text, start, sent = never_holds_broken_text(decode, ids, start, sent)
+    return text.replace(REPLACEMENT, ""), start, sent
+
+
+@pytest.mark.parametrize(
+    "wrong, needle",
+    [
+        (sends_every_token, "U+FFFD"),
+        (never_holds_broken_text, "U+FFFD"),
+        (never_moves_the_window, "window"),
+        (holds_everything, "why hold it back"),
+        (returns_a_list, "return (text, start, sent)"),
+        (strips_the_replacement, "expected"),
+    ],
+)
+def test_wrong_text_rules_are_rejected(tokenizer, wrong, needle):
+    assert rejected(lesson13.check_safe_new_text(wrong, tokenizer), needle)
+
+
+def test_the_text_rule_passes_the_reference(tokenizer):
+    assert lesson13.check_safe_new_text(safe_new_text, tokenizer).passed
+
+
+# ---- exercise 2: the cancel path -----------------------------------------------------------------------------------
+def abort_request(engine, seq):
+    engine.abort_request(seq)
+
+
+def only_the_first_sample(engine, seq):
+    if seq.status in LIVE:
+        engine.scheduler.abort(seq)
+
+
+def frees_by_hand(engine, seq):
+    for s in seq.samples or [seq]:
+        if s.status in LIVE:
+            engine.manager.free(s.seq_id)
+
+
+def marks_aborted(engine, seq):
+    from lesson_utils.core.types import SequenceStatus
+
+    for s in seq.samples or [seq]:
+        s.status = SequenceStatus.ABORTED
+
+
+def does_nothing(engine, seq):
+    return None
+
+
+@pytest.mark.parametrize(
+    "wrong, needle",
+    [
+        (abort_request, "A cancel never raises"),
+        (only_the_first_sample, "still waiting or running"),
+        (frees_by_hand, "A cancel never raises"),
+        (marks_aborted, "get its blocks back now"),
+        (does_nothing, "still waiting or running"),
+    ],
+)
+def test_wrong_cancels_are_rejected(wrong, needle):
+    assert rejected(lesson13.check_cancel_request(wrong), needle)
+
+
+def test_the_cancel_passes_the_reference():
+    assert lesson13.check_cancel_request(cancel_request).passed
