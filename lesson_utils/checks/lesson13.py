@@ -6,16 +6,34 @@ from __future__ import annotations
 
 from lesson_utils.api.cancel import LIVE, cancel_request
 from lesson_utils.api.detokenizer import REPLACEMENT, IncrementalDetokenizer, safe_new_text
+from lesson_utils.core.types import SequenceStatus, is_int
 
 from .core import CheckResult, call_learner, failed, not_implemented, passed, short
 
 TEXTS = (
     "Crème brûlée, 東京の天気 and a 🚀 launch: naïve café ✓",
+    "The answer is Paris.<|im_end|> and then more",  # a special token: it adds no text
     "plain ASCII text with spaces  and\nnew lines",
     "emoji run: 👩‍💻🧑🏽‍🚀🎉 then words",
     "中文字符和日本語のテキスト",
     "numbers 3.14159 and symbols ≤ ≥ ∑ €",
 )
+
+
+class _LeadingSpaceDropped:
+    """A tokenizer whose decode drops one space a window starts with, as SentencePiece tokenizers do (Llama's): the
+    text of a token depends on what came before it, which is why the rule decodes a window, not the new tokens
+    alone."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+
+    def encode(self, text, add_special_tokens=False):
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+    def decode(self, ids, skip_special_tokens=True):
+        text = self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+        return text[1:] if text.startswith(" ") else text
 
 
 def _states(tokenizer, text: str):
@@ -50,41 +68,57 @@ def check_safe_new_text(fn, tokenizer) -> CheckResult:
     through the detokenizer token by token and in chunks, every piece free of U+FFFD and the pieces adding up to the
     whole decode."""
     name = "safe_new_text"
-    decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
     calls = 0
-    for text in TEXTS:
-        for ids, start, sent in _states(tokenizer, text):
-            expected = safe_new_text(decode, ids, start, sent)
-            try:
-                got, err = call_learner(fn, decode, list(ids), start, sent)
-            except NotImplementedError:
-                return not_implemented(name, safe_new_text)
-            where = f"streaming {text!r}, after token {len(ids)} (start={start}, sent={sent})"
-            if err is not None:
-                return failed(name, f"{where} your code raised {type(err).__name__}: {err}", safe_new_text)
-            if not (isinstance(got, tuple) and len(got) == 3 and isinstance(got[0], str)):
-                return failed(
-                    name, f"{where} your code returned {short(got)}: return (text, start, sent)", safe_new_text
-                )
-            if tuple(got) != tuple(expected):
-                hint = _text_hint(expected, got, decode, ids, start, sent)
-                return failed(name, f"{where}: expected {expected!r}, got {tuple(got)!r}. {hint}", safe_new_text)
-            calls += 1
-    for text in TEXTS:
-        ids = tokenizer.encode(text, add_special_tokens=False)
-        for chunk in (1, 2, 3):
-            detok = IncrementalDetokenizer(tokenizer, rule=fn)
-            pieces = [detok.push(ids[i : i + chunk]) for i in range(0, len(ids), chunk)]
-            if any(REPLACEMENT in p for p in pieces) or "".join(pieces) + detok.flush() != decode(ids):
-                return failed(
-                    name,
-                    f"streaming {text!r} {chunk} token(s) at a time, the pieces sent did not add up to the text or "
-                    "held a broken character",
-                    safe_new_text,
-                )
+    for tok in (tokenizer, _LeadingSpaceDropped(tokenizer)):
+        decode = lambda ids, tok=tok: tok.decode(ids, skip_special_tokens=True)  # noqa: E731
+        context = "" if tok is tokenizer else " (a tokenizer whose text depends on the token before: Llama's kind)"
+        for text in TEXTS:
+            for ids, start, sent in _states(tok, text):
+                expected = safe_new_text(decode, ids, start, sent)
+                try:
+                    got, err = call_learner(fn, decode, list(ids), start, sent)
+                except NotImplementedError:
+                    return not_implemented(name, safe_new_text)
+                where = f"streaming {text!r}{context}, after token {len(ids)} (start={start}, sent={sent})"
+                if err is not None:
+                    return failed(name, f"{where} your code raised {type(err).__name__}: {err}", safe_new_text)
+                kind_ok = isinstance(got, tuple) and len(got) == 3 and isinstance(got[0], str)
+                if not (kind_ok and all(is_int(x) for x in got[1:])):
+                    return failed(
+                        name,
+                        f"{where} your code returned {short(got)}: return (text, start, sent), two ints after the text",
+                        safe_new_text,
+                    )
+                if tuple(got) != tuple(expected):
+                    hint = _text_hint(expected, got, decode, ids, start, sent)
+                    return failed(name, f"{where}: expected {expected!r}, got {tuple(got)!r}. {hint}", safe_new_text)
+                calls += 1
+        for text in TEXTS:
+            ids = tok.encode(text, add_special_tokens=False)
+            for chunk in (1, 2, 3):
+                try:
+                    detok = IncrementalDetokenizer(tok, rule=fn)
+                    pieces = [detok.push(ids[i : i + chunk]) for i in range(0, len(ids), chunk)]
+                    rest = detok.flush()
+                except Exception as err:  # noqa: BLE001 - any learner error becomes feedback
+                    return failed(
+                        name,
+                        f"streaming {text!r}{context} {chunk} token(s) at a time, your rule raised "
+                        f"{type(err).__name__}: {err}",
+                        safe_new_text,
+                    )
+                if any(REPLACEMENT in p for p in pieces) or "".join(pieces) + rest != decode(ids):
+                    return failed(
+                        name,
+                        f"streaming {text!r}{context} {chunk} token(s) at a time, the pieces sent did "
+                        "not add up to the text or held a broken character: which tokens does each call "
+                        "decode?",
+                        safe_new_text,
+                    )
     return passed(
         name,
-        f"{calls} calls while {len(TEXTS)} texts (accents, CJK, emoji sequences) streamed token by token match the "
+        f"{calls} calls while {len(TEXTS)} texts (accents, CJK, emojis, a special token), with SmolLM2's tokenizer and "
+        "one whose text depends on the token before, streamed token by token match the "
         "rule, and streamed 1, 2 and 3 tokens at a time no piece holds U+FFFD and the pieces add up to the text.",
         fn,
         next_line="The server below streams with your rule.",
@@ -126,6 +160,53 @@ def _scenarios():
     ]
 
 
+def _right_after(eng, manager, seq, live_before) -> str | None:
+    """What is wrong right after the cancel call, or None."""
+    served = [x.seq_id for x in live_before if x.status is not SequenceStatus.ABORTED and x.status not in LIVE]
+    if served:
+        return f"sample(s) {served} ended some other way than being cancelled"
+    if seq.status in LIVE:
+        return (
+            f"the sample you were given (status {seq.status.value}) is still waiting, running or swapped: which "
+            "statuses are live (LIVE), and who aborts a sample?"
+        )
+    live = [x.seq_id for x in (seq.samples or [seq]) if x.status in LIVE]
+    if live:
+        return (
+            f"sample(s) {live} are still waiting, running or swapped: cancel every sample of the request "
+            "(seq.samples), not only the one you were given"
+        )
+    scheduled = list(eng.scheduler.running) + list(eng.scheduler.waiting)
+    tables = manager.view.tables()
+    still = [x.seq_id for x in seq.samples or [seq] if any(y is x for y in scheduled) or x.seq_id in tables]
+    if still:
+        return (
+            f"sample(s) {still} still hold blocks or a place in the scheduler right after your cancel: a client that "
+            "left must get its blocks back now, not when its answer would have ended - who takes a sequence out of "
+            "the scheduler and frees its table?"
+        )
+    return None
+
+
+def _after_the_rest(eng, manager, seq, other, want: list[int], n: int) -> str | None:
+    """What is wrong once the engine has served everyone else to the end, or None."""
+    try:
+        eng.run()
+    except Exception as e:  # noqa: BLE001 - an engine left inconsistent by the learner's code
+        return (
+            f"the engine could not go on after your cancel: {type(e).__name__}: {e}. Did you free blocks by hand "
+            "instead of asking the scheduler to abort?"
+        )
+    if other.output_ids != want:
+        return "the other request's tokens changed: a cancel touches only its own request"
+    if manager.num_free_blocks != manager.view.num_blocks:
+        held = manager.view.num_blocks - manager.num_free_blocks
+        return f"{held} block(s) were still held after everything ended: which samples kept theirs?"
+    if len(seq.samples or [seq]) > n:
+        return "the request forked more samples after its cancel"
+    return None
+
+
 def check_cancel_request(fn) -> CheckResult:
     """Exercise 13-2: ``cancel_request(engine, seq)`` - every sample of ``seq``'s request still waiting, running or
     swapped is aborted through the scheduler; finished or cancelled ones are left alone; it never raises for a request
@@ -142,6 +223,8 @@ def check_cancel_request(fn) -> CheckResult:
                 eng.step()
         if stopped is not None and len(seq.samples) > stopped:
             eng.scheduler.abort(seq.samples[stopped])  # its stop string ended it: the server aborted that sample
+        live_before = [x for x in (seq.samples or [seq]) if x.status in LIVE]
+        other_before, steps_before = other.num_generated, len(eng.stats)
         try:
             _, err = call_learner(fn, eng, seq)
         except NotImplementedError:
@@ -154,49 +237,16 @@ def check_cancel_request(fn) -> CheckResult:
                 "which samples are still live (their status), and who gives their blocks back?",
                 cancel_request,
             )
-        live = [s.seq_id for s in (seq.samples or [seq]) if s.status in LIVE]
-        if live:
+        if len(eng.stats) != steps_before or other.num_generated != other_before:
             return failed(
                 name,
-                f"for {where}, sample(s) {live} are still waiting or running: cancel every sample of "
-                "the request (seq.samples), not only the one you were given",
+                f"for {where}, your code ran engine steps: a cancel ends the request now, without "
+                "serving it (or anyone else) any further",
                 cancel_request,
             )
-        samples = seq.samples or [seq]
-        scheduled = list(eng.scheduler.running) + list(eng.scheduler.waiting)
-        still = [s.seq_id for s in samples if any(x is s for x in scheduled) or s.seq_id in manager.view.tables()]
-        if still:
-            return failed(
-                name,
-                f"for {where}, sample(s) {still} still hold blocks or a place in the scheduler right "
-                "after your cancel: a client that left must get its blocks back now, not when its answer "
-                "would have ended - who takes a sequence out of the scheduler and frees its table?",
-                cancel_request,
-            )
-        try:
-            eng.run()
-        except Exception as e:  # noqa: BLE001 - an engine left inconsistent by the learner's code
-            return failed(
-                name,
-                f"for {where}, the engine could not go on after your cancel: {type(e).__name__}: {e}. "
-                "Did you free blocks by hand instead of asking the scheduler to abort?",
-                cancel_request,
-            )
-        if other.output_ids != want:
-            return failed(
-                name,
-                f"for {where}, the other request's tokens changed: a cancel touches only its own request",
-                cancel_request,
-            )
-        if manager.num_free_blocks != manager.view.num_blocks:
-            held = manager.view.num_blocks - manager.num_free_blocks
-            return failed(
-                name,
-                f"for {where}, {held} block(s) were still held after everything ended: which samples kept theirs?",
-                cancel_request,
-            )
-        if len(seq.samples or [seq]) > n:
-            return failed(name, f"for {where}, the request forked more samples after its cancel", cancel_request)
+        problem = _right_after(eng, manager, seq, live_before) or _after_the_rest(eng, manager, seq, other, want, n)
+        if problem:
+            return failed(name, f"for {where}, {problem}", cancel_request)
     return passed(
         name,
         f"in {len(_scenarios())} situations (waiting, running, forked, forks pending, one sample already stopped, "

@@ -97,10 +97,10 @@ def does_nothing(engine, seq):
     "wrong, needle",
     [
         (abort_request, "A cancel never raises"),
-        (only_the_first_sample, "still waiting or running"),
+        (only_the_first_sample, "still waiting, running or swapped"),
         (frees_by_hand, "A cancel never raises"),
         (marks_aborted, "get its blocks back now"),
-        (does_nothing, "still waiting or running"),
+        (does_nothing, "still waiting, running or swapped"),
     ],
 )
 def test_wrong_cancels_are_rejected(wrong, needle):
@@ -109,3 +109,73 @@ def test_wrong_cancels_are_rejected(wrong, needle):
 
 def test_the_cancel_passes_the_reference():
     assert lesson13.check_cancel_request(cancel_request).passed
+
+
+# ---- what a learner trial found (issue 47) -------------------------------------------------------------------------
+def decodes_only_the_new_tokens(decode, ids, start, sent):
+    text = decode(ids[sent:])
+    if not text or text.endswith(REPLACEMENT):
+        return "", start, sent
+    return text, sent, len(ids)
+
+
+def floats_for_the_window(decode, ids, start, sent):
+    text, start, sent = safe_new_text(decode, ids, start, sent)
+    return text, float(start), float(sent)
+
+
+def raises_on_long_pushes(decode, ids, start, sent):
+    if len(ids) - sent > 1:
+        raise RuntimeError("one token at a time")
+    return safe_new_text(decode, ids, start, sent)
+
+
+def holds_on_any_replacement_without_emptiness(decode, ids, start, sent):
+    before, after = decode(ids[start:sent]), decode(ids[start:])
+    if after[-1] == REPLACEMENT:
+        return "", start, sent
+    return after[len(before) :], sent, len(ids)
+
+
+@pytest.mark.parametrize(
+    "wrong, needle",
+    [
+        (decodes_only_the_new_tokens, "depends on the token before"),
+        (floats_for_the_window, "two ints"),
+        (raises_on_long_pushes, "raised RuntimeError"),
+        (holds_on_any_replacement_without_emptiness, "the window is not"),
+    ],
+)
+def test_wrong_text_rules_a_learner_trial_found_are_rejected(tokenizer, wrong, needle):
+    assert rejected(lesson13.check_safe_new_text(wrong, tokenizer), needle)
+
+
+def runs_it_to_the_end(engine, seq):
+    engine.run()
+
+
+def steps_until_it_ends(engine, seq):
+    while any(s.status in LIVE for s in seq.samples or [seq]):
+        engine.step()
+
+
+def finishes_by_hand(engine, seq):
+    from lesson_utils.core.types import SequenceStatus
+
+    for s in seq.samples or [seq]:
+        if s.status in LIVE:
+            engine.scheduler.abort(s)
+            s.status = SequenceStatus.FINISHED
+
+
+@pytest.mark.parametrize(
+    "wrong, needle",
+    [
+        (runs_it_to_the_end, "ran engine steps"),
+        (steps_until_it_ends, "ran engine steps"),
+        (finishes_by_hand, "some other way than being cancelled"),
+        (does_nothing, "the sample you were given"),
+    ],
+)
+def test_cancels_that_serve_instead_are_rejected(wrong, needle):
+    assert rejected(lesson13.check_cancel_request(wrong), needle)
