@@ -178,7 +178,7 @@ def test_a_slow_start_is_bounded_by_the_startup_budget_not_the_transfer_timeout(
     trip the per-wait timeout, which only bounds the transfers once both workers have started."""
     model, w = tiny
     requests = _requests(2)
-    slow = Faults(prefill_start_delay_s=6.0)
+    slow = Faults(prefill_start_delay_s=4.5)  # longer than the 3 s per-wait timeout
     result = run_disaggregated(
         DisaggConfig(model_dir=saved_model, num_blocks=32, block_size=4, timeout_s=3, startup_s=40), requests, slow
     )
