@@ -4,7 +4,6 @@ how many requests a KV budget runs for a model, from its config."""
 from __future__ import annotations
 
 import random
-from types import SimpleNamespace
 
 import torch
 
@@ -12,6 +11,7 @@ from lesson_utils.lab import kv_math
 from lesson_utils.model.rope import rotate_at
 
 from .core import CheckResult, check_function
+from .lesson00 import _config as _cfg  # one fake-config builder for both lessons
 
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 3e-2}
 
@@ -191,15 +191,6 @@ def check_rotate_at(fn) -> CheckResult:
 
 
 # ---- exercise 12-2: requests running in one KV budget ------------------------------------------------------------
-def _cfg(layers, hidden, heads, kv_heads=None, head_dim=None, name="model"):
-    cfg = SimpleNamespace(num_hidden_layers=layers, hidden_size=hidden, num_attention_heads=heads, name=name)
-    if kv_heads is not None:
-        cfg.num_key_value_heads = kv_heads
-    if head_dim is not None:
-        cfg.head_dim = head_dim
-    return cfg
-
-
 OPT_LIKE = _cfg(12, 768, 12, name="OPT-125m")
 SMOL_LIKE = _cfg(30, 576, 9, kv_heads=3, name="SmolLM2-135M")
 QWEN3_LIKE = _cfg(28, 1024, 16, kv_heads=8, head_dim=128, name="Qwen3-0.6B")
