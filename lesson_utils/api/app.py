@@ -117,7 +117,7 @@ class _Endpoints:
             if not handle.finished:
                 self.loop.abort(handle)
         if errors:
-            raise APIError(500, f"the engine refused a step: {errors[0]}", type="server_error")
+            raise APIError(500, errors[0], type="server_error")
         if chat:
             choices = [
                 {"index": i, "message": {"role": "assistant", "content": t}, "finish_reason": r}
@@ -149,7 +149,7 @@ class _Endpoints:
                 if out is None:
                     return
                 if out.error:
-                    failure = APIError(500, f"the engine refused a step: {out.error}", type="server_error")
+                    failure = APIError(500, out.error, type="server_error")
                     yield f"data: {json.dumps(failure.body())}\n\n"
                     return
                 done += out.finish_reason is not None

@@ -8,7 +8,9 @@ sleeps on an event when none does.
 
 Invariants: a request's every sample ends with exactly one :class:`Output` whose ``finish_reason`` is set; an
 aborted request (a client that went away) is cancelled in the engine before the next step, so its blocks are free
-then; the waiting line never holds more than ``max_waiting`` requests (:class:`QueueFull` otherwise).
+then; the waiting line never holds more than ``max_waiting`` requests (:class:`QueueFull` otherwise). A plugged-in
+function (lesson 13's ``cancel`` and ``text_rule``) that raises never stops the loop: the raise is noted in
+:attr:`EngineLoop.problems`, a text rule's request ends with ``"error"``, and a cancel is finished by the reference.
 """
 
 from __future__ import annotations
@@ -42,7 +44,8 @@ class SamplingParams:
 class Output:
     """New output of one sample: ``text`` safe to show, the ``token_ids`` generated since the last one, and, on the
     sample's last output, why it ended: ``"stop"`` (end of turn or a stop string), ``"length"`` (``max_tokens``),
-    ``"abort"`` (cancelled) or ``"error"`` (the engine refused a step: ``error`` says why)."""
+    ``"abort"`` (cancelled) or ``"error"`` (the engine refused a step, or the text rule raised: ``error`` says
+    which, as a sentence)."""
 
     index: int
     text: str
@@ -122,6 +125,7 @@ class EngineLoop:
         self.stats = LoopStats(0, 0, 0, engine.manager.view.num_blocks)
         self.on_output: Callable[[RequestHandle, Output], None] | None = None  # metrics hook
         self.done: collections.deque[RequestHandle] = collections.deque(maxlen=10_000)  # ended, newest last
+        self.problems: collections.deque[str] = collections.deque(maxlen=100)  # plugged-in functions that raised
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
 
     # ---- the caller's side (any thread) ------------------------------------------------------------------------
@@ -171,7 +175,7 @@ class EngineLoop:
                 try:
                     self.engine.step()
                 except Exception as err:  # noqa: BLE001 - a refused step changed nothing; end every request with it
-                    self._fail_all(f"{type(err).__name__}: {err}")
+                    self._fail_all(f"the engine refused a step: {type(err).__name__}: {err}")
                 self._publish()
             else:
                 self._wake.wait(self.idle_wait_s)
@@ -227,7 +231,13 @@ class EngineLoop:
         live = self._live.pop(request_id, None)
         if live is None:
             return  # already finished: nothing holds memory
-        self.cancel(self.engine, live.seq)
+        try:
+            self.cancel(self.engine, live.seq)
+        except Exception as err:  # noqa: BLE001 - a learner's cancel: note it, then give the blocks back regardless
+            self._note_problem("cancel", err)
+            if self.cancel is cancel_request:
+                raise
+            cancel_request(self.engine, live.seq)
         live.handle.finished = True
         self.done.append(live.handle)
         for i, sample in enumerate(live.samples):
@@ -248,24 +258,34 @@ class EngineLoop:
     def _engine_samples(live: _Live) -> list:
         return list(live.seq.samples or [live.seq])
 
+    def _note_problem(self, what: str, err: Exception) -> None:
+        self.problems.append(f"{what} raised {type(err).__name__}: {err}")
+
     def _publish(self) -> None:
         now = time.perf_counter()
         for rid in list(self._live):
-            live = self._live[rid]
-            for i, s in enumerate(self._engine_samples(live)):
-                out = self._new_output(live, i, s)
-                if out is None:
-                    continue
-                if out.token_ids:
-                    if live.handle.first_token_s is None:
-                        live.handle.first_token_s = now
-                    live.handle.token_times.append(now)
-                    live.handle.completion_tokens += len(out.token_ids)
-                self._send(live, out)
-            if all(sample.done for sample in live.samples):
-                live.handle.finished = True
-                self.done.append(live.handle)
-                del self._live[rid]
+            try:
+                self._publish_request(rid, now)
+            except Exception as err:  # noqa: BLE001 - a learner's text rule: this request ends, the others go on
+                self._note_problem("text_rule", err)
+                self._cancel(rid, "error", f"the server's text rule raised {type(err).__name__}: {err}")
+
+    def _publish_request(self, rid: int, now: float) -> None:
+        live = self._live[rid]
+        for i, s in enumerate(self._engine_samples(live)):
+            out = self._new_output(live, i, s)
+            if out is None:
+                continue
+            if out.token_ids:
+                if live.handle.first_token_s is None:
+                    live.handle.first_token_s = now
+                live.handle.token_times.append(now)
+                live.handle.completion_tokens += len(out.token_ids)
+            self._send(live, out)
+        if all(sample.done for sample in live.samples):
+            live.handle.finished = True
+            self.done.append(live.handle)
+            del self._live[rid]
 
     def _new_output(self, live: _Live, i: int, s) -> Output | None:
         sample = live.samples[i]

@@ -4,6 +4,8 @@ engine) and compare what a client or the engine would see."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from lesson_utils.api.cancel import LIVE, cancel_request
 from lesson_utils.api.detokenizer import REPLACEMENT, IncrementalDetokenizer, safe_new_text
 from lesson_utils.core.types import SequenceStatus, is_int
@@ -126,18 +128,46 @@ def check_safe_new_text(fn, tokenizer) -> CheckResult:
 
 
 # ---- exercise 13-2: cancel a request whose client went away --------------------------------------------------------
-def _tiny_engine():
+@dataclass(frozen=True)
+class _Scenario:
+    """A request to cancel, beside another one served to the end: ``steps`` engine steps before the cancel; a pool
+    of ``blocks`` blocks; with ``swap`` the engine preempts by swapping (the other request comes first, so the
+    request to cancel is the one swapped out); ``stopped``: that sample was already ended by a stop string."""
+
+    what: str
+    steps: int
+    n: int
+    stopped: int | None = None
+    blocks: int = 48
+    swap: bool = False
+
+
+SCENARIOS = (
+    _Scenario("still waiting (never admitted)", 0, 1),
+    _Scenario("running, one sample", 2, 1),
+    _Scenario("running, three samples forked after its prefill", 2, 3),
+    _Scenario("waiting with samples still to fork", 0, 3),
+    _Scenario("three samples, one already cancelled by a stop string", 2, 3, stopped=1),
+    _Scenario("already finished", 12, 1),
+    _Scenario("swapped out to CPU memory", 2, 1, blocks=5, swap=True),
+    _Scenario("three samples, two of them swapped out", 2, 3, blocks=6, swap=True),
+)
+
+
+def _tiny_engine(blocks: int = 48, swap: bool = False):
     import torch
 
     from lesson_utils.cache.paged import PagedKVCache
     from lesson_utils.memory.sharing import SharingBlockManager
+    from lesson_utils.memory.swap import SwapSpace
     from lesson_utils.model import weights_from_hf
     from lesson_utils.model.catalog import random_causal_lm, tiny_config
     from lesson_utils.serving.engine import Engine
 
     w = weights_from_hf(random_causal_lm(tiny_config("llama"), 13).to(torch.float32))
-    manager = SharingBlockManager(48, 4, enable_prefix_caching=True, max_seq_len=w.max_positions)
-    return Engine(w, PagedKVCache.for_model(w, manager=manager), stop_at_eos=False), manager
+    manager = SharingBlockManager(blocks, 4, watermark=0.0, enable_prefix_caching=True, max_seq_len=w.max_positions)
+    preemption = dict(preemption_mode="swap", swap_space=SwapSpace(16)) if swap else {}
+    return Engine(w, PagedKVCache.for_model(w, manager=manager), stop_at_eos=False, **preemption), manager
 
 
 OTHER = [30, 31, 32, 33, 34, 35, 36]
@@ -148,16 +178,25 @@ def _alone() -> list[int]:
     return eng.generate([OTHER], 6)[0]
 
 
-def _scenarios():
-    """(description, set-up steps before the cancel): the request to cancel, beside another one served to the end."""
-    return [
-        ("still waiting (never admitted)", 0, 1, None),
-        ("running, one sample", 2, 1, None),
-        ("running, three samples forked after its prefill", 2, 3, None),
-        ("waiting with samples still to fork", 0, 3, None),
-        ("three samples, one already cancelled by a stop string", 2, 3, 1),
-        ("already finished", 12, 1, None),
-    ]
+def _set_up(case: _Scenario):
+    """The engine, its manager, the request to cancel and the other one, ``case.steps`` steps in."""
+    eng, manager = _tiny_engine(case.blocks, case.swap)
+    seq_args = ([5, 6, 7, 8, 9, 10, 11], 8)
+    seq_kw = dict(n=case.n, temperature=1.0 if case.n > 1 else 0.0, seed=3)
+    if case.swap:
+        other = eng.add_request(list(OTHER), 6)
+        seq = eng.add_request(*seq_args, **seq_kw)
+    else:
+        seq = eng.add_request(*seq_args, **seq_kw)
+        other = eng.add_request(list(OTHER), 6)
+    for _ in range(case.steps):
+        if eng.scheduler.has_work:
+            eng.step()
+    if case.stopped is not None and len(seq.samples) > case.stopped:
+        eng.scheduler.abort(seq.samples[case.stopped])  # its stop string ended it: the server aborted that sample
+    if case.swap and not any(x.status is SequenceStatus.SWAPPED for x in seq.samples or [seq]):
+        raise RuntimeError(f"the check's set-up '{case.what}' swapped nothing out: the engine's policy changed")
+    return eng, manager, seq, other
 
 
 def _right_after(eng, manager, seq, live_before) -> str | None:
@@ -176,12 +215,15 @@ def _right_after(eng, manager, seq, live_before) -> str | None:
             f"sample(s) {live} are still waiting, running or swapped: cancel every sample of the request "
             "(seq.samples), not only the one you were given"
         )
-    scheduled = list(eng.scheduler.running) + list(eng.scheduler.waiting)
-    tables = manager.view.tables()
+    scheduled = list(eng.scheduler.running) + list(eng.scheduler.waiting) + list(eng.scheduler.swapped)
+    tables = set(manager.view.tables())
+    if eng.scheduler.swap_space is not None:
+        tables |= set(eng.scheduler.swap_space.cpu_tables)
     still = [x.seq_id for x in seq.samples or [seq] if any(y is x for y in scheduled) or x.seq_id in tables]
     if still:
         return (
-            f"sample(s) {still} still hold blocks or a place in the scheduler right after your cancel: a client that "
+            f"sample(s) {still} still hold blocks (in GPU or swap memory) or a place in the scheduler right after your "
+            "cancel: a client that "
             "left must get its blocks back now, not when its answer would have ended - who takes a sequence out of "
             "the scheduler and frees its table?"
         )
@@ -202,6 +244,12 @@ def _after_the_rest(eng, manager, seq, other, want: list[int], n: int) -> str | 
     if manager.num_free_blocks != manager.view.num_blocks:
         held = manager.view.num_blocks - manager.num_free_blocks
         return f"{held} block(s) were still held after everything ended: which samples kept theirs?"
+    space = eng.scheduler.swap_space
+    if space is not None and space.num_free != space.num_blocks:
+        return (
+            f"{space.num_blocks - space.num_free} swap block(s) in CPU memory were still held after everything "
+            "ended: which samples were swapped out when the client left?"
+        )
     if len(seq.samples or [seq]) > n:
         return "the request forked more samples after its cancel"
     return None
@@ -214,22 +262,15 @@ def check_cancel_request(fn) -> CheckResult:
     and with every block free once it is done."""
     name = "cancel_request"
     want = _alone()
-    for what, steps, n, stopped in _scenarios():
-        eng, manager = _tiny_engine()
-        seq = eng.add_request([5, 6, 7, 8, 9, 10, 11], 8, n=n, temperature=1.0 if n > 1 else 0.0, seed=3)
-        other = eng.add_request(list(OTHER), 6)
-        for _ in range(steps):
-            if eng.scheduler.has_work:
-                eng.step()
-        if stopped is not None and len(seq.samples) > stopped:
-            eng.scheduler.abort(seq.samples[stopped])  # its stop string ended it: the server aborted that sample
+    for case in SCENARIOS:
+        eng, manager, seq, other = _set_up(case)
         live_before = [x for x in (seq.samples or [seq]) if x.status in LIVE]
         other_before, steps_before = other.num_generated, len(eng.stats)
         try:
             _, err = call_learner(fn, eng, seq)
         except NotImplementedError:
             return not_implemented(name, cancel_request)
-        where = f"a request {what}"
+        where = f"a request {case.what}"
         if err is not None:
             return failed(
                 name,
@@ -244,13 +285,15 @@ def check_cancel_request(fn) -> CheckResult:
                 "serving it (or anyone else) any further",
                 cancel_request,
             )
-        problem = _right_after(eng, manager, seq, live_before) or _after_the_rest(eng, manager, seq, other, want, n)
+        problem = _right_after(eng, manager, seq, live_before) or _after_the_rest(
+            eng, manager, seq, other, want, case.n
+        )
         if problem:
             return failed(name, f"for {where}, {problem}", cancel_request)
     return passed(
         name,
-        f"in {len(_scenarios())} situations (waiting, running, forked, forks pending, one sample already stopped, "
-        "finished) every live sample was aborted, nothing raised, the other request got exactly its tokens alone, "
+        f"in {len(SCENARIOS)} situations (waiting, running, forked, forks pending, one sample already stopped, "
+        "finished, swapped out) every live sample was aborted, nothing raised, the other request got exactly its tokens alone, "
         "and every block was free at the end.",
         fn,
         next_line="The server below cancels disconnected clients' requests with your function.",

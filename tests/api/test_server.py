@@ -220,3 +220,40 @@ def test_metrics_parse_and_count(server, client):
 def test_the_chat_page_is_served(server):
     r = httpx.get(server.url + "/", timeout=30)
     assert r.status_code == 200 and "/v1/chat/completions" in r.text
+
+
+def test_plugged_in_functions_that_raise_never_stop_the_loop(weights, tokenizer):
+    """Lesson 13 plugs the learner's text rule and cancel into the loop: one that raises ends its own request with an
+    error (or is finished by the reference cancel), is noted in ``loop.problems``, and the server goes on serving."""
+    from lesson_utils.api.cancel import cancel_request
+    from lesson_utils.api.detokenizer import safe_new_text
+
+    calls = []
+
+    def rule_that_breaks_on_its_fifth_call(decode, ids, start, sent):
+        calls.append(len(ids))
+        if len(calls) == 5:
+            raise IndexError("window too long")
+        return safe_new_text(decode, ids, start, sent)
+
+    def cancel_that_raises_halfway(engine, seq):
+        cancel_request(engine, seq)
+        raise KeyError("after aborting")
+
+    rule = {"on": True}
+
+    def switchable_rule(decode, ids, start, sent):
+        return (rule_that_breaks_on_its_fifth_call if rule["on"] else safe_new_text)(decode, ids, start, sent)
+
+    with start_server(
+        _engine(weights), tokenizer, MODEL, text_rule=switchable_rule, cancel=cancel_that_raises_halfway
+    ) as s:
+        body = {"model": MODEL, "prompt": "The capital of France is", "max_tokens": 30, "temperature": 0}
+        r = httpx.post(s.base_url + "/completions", json=body, timeout=60)
+        assert r.status_code == 500 and "text rule raised IndexError" in r.json()["error"]["message"]
+        assert _all_free(s)
+        rule["on"] = False
+        assert httpx.post(s.base_url + "/completions", json=body, timeout=60).status_code == 200
+        assert _stream_then_leave(s.base_url, 1) >= 0 and _all_free(s)
+        assert any("cancel raised KeyError" in p for p in s.loop.problems)
+        assert any("text_rule raised IndexError" in p for p in s.loop.problems)

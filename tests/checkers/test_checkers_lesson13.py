@@ -179,3 +179,41 @@ def finishes_by_hand(engine, seq):
 )
 def test_cancels_that_serve_instead_are_rejected(wrong, needle):
     assert rejected(lesson13.check_cancel_request(wrong), needle)
+
+
+def skips_the_swapped(engine, seq):
+    from lesson_utils.core.types import SequenceStatus
+
+    for s in seq.samples or [seq]:
+        if s.status in (SequenceStatus.WAITING, SequenceStatus.RUNNING):
+            engine.scheduler.abort(s)
+
+
+def aborts_what_the_queues_hold(engine, seq):
+    queued = list(engine.scheduler.running) + list(engine.scheduler.waiting)
+    for s in seq.samples or [seq]:
+        if any(s is q for q in queued):
+            engine.scheduler.abort(s)
+
+
+def drops_the_swapped_from_the_line(engine, seq):
+    from lesson_utils.core.types import SequenceStatus
+
+    for s in seq.samples or [seq]:
+        if s.status is SequenceStatus.SWAPPED:
+            engine.scheduler.swapped.remove(s)  # forgets it, but its CPU copy stays held
+            s.status = SequenceStatus.ABORTED
+        elif s.status in LIVE:
+            engine.scheduler.abort(s)
+
+
+@pytest.mark.parametrize(
+    "wrong, needle",
+    [
+        (skips_the_swapped, "swapped out to CPU memory"),
+        (aborts_what_the_queues_hold, "swapped out to CPU memory"),
+        (drops_the_swapped_from_the_line, "swap memory"),
+    ],
+)
+def test_cancels_that_forget_swapped_samples_are_rejected(wrong, needle):
+    assert rejected(lesson13.check_cancel_request(wrong), needle)
