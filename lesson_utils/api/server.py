@@ -28,6 +28,10 @@ class RunningServer:
     def base_url(self) -> str:
         return self.url + "/v1"
 
+    @property
+    def port(self) -> int:
+        return int(self.url.rsplit(":", 1)[1])
+
     def stop(self) -> None:
         """Stop accepting connections, then stop the engine loop (requests still running are left unfinished)."""
         self.server.should_exit = True

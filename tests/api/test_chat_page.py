@@ -27,19 +27,21 @@ BLOCKS = 64
 PAGE_MAX_TOKENS = 96  # what chat.html asks for
 
 
-def _chromium() -> str:
-    found = shutil.which("chromium") or shutil.which("chromium-browser")
-    if found is None:
-        if os.environ.get("COURSE_REQUIRE_BROWSER") == "1":
-            pytest.fail("COURSE_REQUIRE_BROWSER=1 but no chromium is on the PATH (.ci/run installs Debian's)")
-        pytest.skip("no chromium on the PATH: install Debian's `chromium` to test the chat page in a browser")
-    return found
+def _missing(what: str):
+    if os.environ.get("COURSE_REQUIRE_BROWSER") == "1":
+        pytest.fail(f"COURSE_REQUIRE_BROWSER=1 but {what}")
+    pytest.skip(f"{what}: the chat page is tested in a browser only where there is one")
 
 
 @pytest.fixture(scope="module")
 def browser():
-    path = _chromium()
-    sync_api = pytest.importorskip("playwright.sync_api")
+    path = shutil.which("chromium") or shutil.which("chromium-browser")
+    if path is None:
+        _missing("no chromium is on the PATH (Debian's `chromium`; .ci/run installs it)")
+    try:
+        from playwright import sync_api
+    except ImportError:
+        _missing("playwright is not installed (the course's test extra installs it)")
     with sync_api.sync_playwright() as p:
         # --no-sandbox: CI runs as root, where Chromium's sandbox refuses to start
         b = p.chromium.launch(executable_path=path, headless=True, args=["--no-sandbox"])
