@@ -1,7 +1,8 @@
 """Lesson 13: the course's engine served over HTTP the way learners meet engines next - an OpenAI-compatible API.
 
-The floor above ``serving/``: it drives an :class:`~lesson_utils.serving.engine.Engine` through its public surface
-only (``add_request``, ``abort_request``, ``step``, the scheduler's queues) and adds no engine internals of its own.
+The floor above ``serving/``: it drives an :class:`~lesson_utils.serving.engine.Engine` through ``add_request``,
+``step`` and ``scheduler.abort`` (one sample cancelled wherever it is), reads each sequence's ``status``,
+``samples`` and ``output_ids`` and the manager's free blocks, and adds no engine internals of its own.
 
 * :mod:`.detokenizer` - text that is safe to send while tokens still arrive (a character split across tokens is
   held back, never sent as U+FFFD), and stop strings found across token boundaries;

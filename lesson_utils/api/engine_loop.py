@@ -8,9 +8,10 @@ sleeps on an event when none does.
 
 Invariants: a request's every sample ends with exactly one :class:`Output` whose ``finish_reason`` is set; an
 aborted request (a client that went away) is cancelled in the engine before the next step, so its blocks are free
-then; the waiting line never holds more than ``max_waiting`` requests (:class:`QueueFull` otherwise). A plugged-in
-function (lesson 13's ``cancel`` and ``text_rule``) that raises never stops the loop: the raise is noted in
-:attr:`EngineLoop.problems`, a text rule's request ends with ``"error"``, and a cancel is finished by the reference.
+then; a request is refused (:class:`QueueFull`) while ``max_waiting`` sequences already wait (the line can hold
+more afterwards: preemption puts running sequences back at its head). A plugged-in function (lesson 13's ``cancel``
+and ``text_rule``) that raises never stops the loop: the raise is noted in :attr:`EngineLoop.problems`, a text rule's
+request ends with ``"error"``, and a cancel is finished by the reference.
 """
 
 from __future__ import annotations
@@ -56,6 +57,10 @@ class Output:
 
 class QueueFull(RuntimeError):
     """The waiting line is full: answer 429 and ask the client to retry later."""
+
+
+class _RuleFailed(Exception):
+    """The text rule raised (its exception is the cause): the request it served ends with an error."""
 
 
 @dataclass
@@ -235,9 +240,10 @@ class EngineLoop:
             self.cancel(self.engine, live.seq)
         except Exception as err:  # noqa: BLE001 - a learner's cancel: note it, then give the blocks back regardless
             self._note_problem("cancel", err)
-            if self.cancel is cancel_request:
-                raise
-            cancel_request(self.engine, live.seq)
+            try:
+                cancel_request(self.engine, live.seq)
+            except Exception as again:  # noqa: BLE001 - the engine was left inconsistent; keep serving the others
+                self._note_problem("the reference cancel, after yours", again)
         live.handle.finished = True
         self.done.append(live.handle)
         for i, sample in enumerate(live.samples):
@@ -266,9 +272,13 @@ class EngineLoop:
         for rid in list(self._live):
             try:
                 self._publish_request(rid, now)
-            except Exception as err:  # noqa: BLE001 - a learner's text rule: this request ends, the others go on
+            except _RuleFailed as failed:  # a learner's text rule: this request ends, the others go on
+                err = failed.__cause__
                 self._note_problem("text_rule", err)
                 self._cancel(rid, "error", f"the server's text rule raised {type(err).__name__}: {err}")
+            except Exception as err:  # noqa: BLE001 - e.g. a sink whose event loop has closed
+                self._note_problem("publishing an output", err)
+                self._cancel(rid, "error", f"the server could not publish an output: {type(err).__name__}: {err}")
 
     def _publish_request(self, rid: int, now: float) -> None:
         live = self._live[rid]
@@ -293,21 +303,30 @@ class EngineLoop:
             return None
         new = s.output_ids[sample.sent_ids :]
         sample.sent_ids = len(s.output_ids)
-        text, stopped = sample.stops.feed(sample.detok.push(new)) if new else ("", False)
+        text, stopped = sample.stops.feed(self._rule(sample.detok.push, new)) if new else ("", False)
         finish = None
         if stopped:
             if s.status in LIVE:
                 self.engine.scheduler.abort(s)  # a stop string ends this sample now: its blocks come back
             finish = "stop"
         elif s.status is SequenceStatus.FINISHED:
-            text += sample.stops.feed(sample.detok.flush())[0] + sample.stops.flush()
+            text += sample.stops.feed(self._rule(sample.detok.flush))[0] + sample.stops.flush()
             eos = self.engine.w.eos_token_id
-            finish = "stop" if eos is not None and s.output_ids[-1:] == [eos] else "length"
+            ended_at_eos = eos is not None and s.output_ids[-1:] == [eos]
+            finish = "stop" if ended_at_eos or sample.stops.stopped else "length"
         if finish is not None:
             sample.done = True
         if not text and not new and finish is None:
             return None
         return Output(i, text, tuple(int(t) for t in new), finish)
+
+    @staticmethod
+    def _rule(call, *args) -> str:
+        """``call(*args)`` on the detokenizer, which runs the text rule: its raise becomes :class:`_RuleFailed`."""
+        try:
+            return call(*args)
+        except Exception as err:  # noqa: BLE001 - told apart from the loop's own errors by _publish
+            raise _RuleFailed() from err
 
     def _note_stats(self) -> None:
         view = self.engine.manager.view

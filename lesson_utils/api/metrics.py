@@ -1,6 +1,7 @@
 """Prometheus metrics of one served engine, in a registry of its own (two servers in one process do not mix):
-requests running and waiting and KV blocks in use (read from the loop when scraped), time to first token and
-inter-token latency (observed as outputs leave the loop), and finished requests by how they ended."""
+sequences running and waiting and KV blocks in use (read from the loop when scraped; a request with ``n`` samples is
+``n`` sequences, as in vLLM v1), time to first token per request and inter-token latency per sample (observed as
+outputs leave the loop), and samples finished by how they ended."""
 
 from __future__ import annotations
 
@@ -33,16 +34,22 @@ class ServerMetrics:
             registry=r,
         )
         self.finished = Counter("course_requests_finished", "samples finished, by reason", ["reason"], registry=r)
+        self._last_token_s: dict[tuple[int, int], float] = {}  # (request, sample) -> when its last tokens left
         loop.on_output = self.observe
 
     def observe(self, handle: RequestHandle, out: Output) -> None:
-        """Called by the loop for every output it sends (in its thread)."""
-        times = handle.token_times
-        if out.token_ids and len(times) == 1:
-            self.ttft.observe(times[0] - handle.arrived_s)
-        elif out.token_ids and len(times) > 1:
-            self.itl.observe(times[-1] - times[-2])
+        """Called by the loop for every output it sends (in its thread). A gap is measured within one sample: the
+        samples of one request leave in the same step, and the gaps between them are not latency."""
+        key = (handle.request_id, out.index)
+        if out.token_ids:
+            now = handle.token_times[-1]
+            if len(handle.token_times) == 1:
+                self.ttft.observe(now - handle.arrived_s)
+            if key in self._last_token_s:
+                self.itl.observe(now - self._last_token_s[key])
+            self._last_token_s[key] = now
         if out.finish_reason is not None:
+            self._last_token_s.pop(key, None)
             self.finished.labels(out.finish_reason).inc()
 
     def scrape(self) -> bytes:

@@ -116,7 +116,8 @@ def check_request(req: _Common, served_model: str) -> None:
         )
     tokens = max_tokens_of(req)
     if tokens is not None and tokens < 1:
-        raise APIError(400, f"`max_tokens` must be at least 1, got {tokens}", "max_tokens")
+        field = "max_completion_tokens" if getattr(req, "max_completion_tokens", None) is not None else "max_tokens"
+        raise APIError(400, f"`{field}` must be at least 1, got {tokens}", field)
     for s in stops_of(req):
         if not s:
             raise APIError(400, "an empty stop string would end every answer at once", "stop")
@@ -125,7 +126,9 @@ def check_request(req: _Common, served_model: str) -> None:
 
 
 def max_tokens_of(req: _Common) -> int | None:
-    return getattr(req, "max_completion_tokens", None) or req.max_tokens
+    """``max_completion_tokens`` (the chat API's newer name) when given, else ``max_tokens``; None: as many as fit."""
+    newer = getattr(req, "max_completion_tokens", None)
+    return req.max_tokens if newer is None else newer
 
 
 def stops_of(req: _Common) -> list[str]:

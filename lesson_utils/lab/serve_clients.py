@@ -87,20 +87,21 @@ def concurrent_streams(base_url: str, bodies: list[dict], workers: int) -> list[
 
 
 def leave_mid_stream(base_url: str, body: dict, after_chunks: int, timeout_s: float = 300.0) -> int:
-    """Stream ``body`` and close the connection after ``after_chunks`` chunks (0: right after the headers); returns
-    how many chunks were read."""
+    """Stream ``body`` and close the connection after ``after_chunks`` events (``data:`` lines; 0: right after the
+    response's headers, before any event); returns how many events were read."""
     path = "/chat/completions" if "messages" in body else "/completions"
     read = 0
     with _client().stream("POST", base_url + path, json={**body, "stream": True}, timeout=timeout_s) as r:
-        for _ in r.iter_lines():
-            if read >= after_chunks:
-                break
-            read += 1
+        if after_chunks > 0:
+            for line in r.iter_lines():
+                read += line.startswith("data:")
+                if read >= after_chunks:
+                    break
     return read
 
 
 def disconnect_storm(base_url: str, bodies: list[dict], workers: int, max_chunks: int, seed: int = 0) -> list[int]:
-    """Every body streamed and abandoned after a random number of chunks (0 .. max_chunks)."""
+    """Every body streamed and abandoned after a random number of events (0 .. max_chunks)."""
     from tqdm.auto import tqdm
 
     rng = random.Random(seed)

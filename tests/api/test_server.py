@@ -132,6 +132,11 @@ def test_a_stop_string_ends_the_answer_before_it(client):
         ({"model": MODEL, "prompt": "hi", "temperature": -0.5}, 400, "temperature"),
         ({"model": MODEL, "prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
         ({"model": MODEL, "prompt": "hi", "max_tokens": 10_000}, 400, "max_tokens"),
+        (
+            {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 0},
+            400,
+            "max_completion_tokens",
+        ),
         ({"model": MODEL, "prompt": "hi", "top_p": 0.5}, 400, "top_p"),
         ({"model": MODEL, "prompt": "hi", "logprobs": 3}, 400, "logprobs"),
         ({"model": MODEL, "prompt": "hi", "frobnicate": 1}, 400, "frobnicate"),
@@ -143,7 +148,8 @@ def test_a_stop_string_ends_the_answer_before_it(client):
     ],
 )
 def test_bad_requests_get_openais_error_shape_and_change_nothing(server, body, status, param):
-    r = httpx.post(server.base_url + "/completions", json=body, timeout=30)
+    path = "/chat/completions" if "messages" in body else "/completions"
+    r = httpx.post(server.base_url + path, json=body, timeout=30)
     assert r.status_code == status, r.text
     err = r.json()["error"]
     assert err["param"] == param and err["message"] and err["type"]
@@ -257,3 +263,12 @@ def test_plugged_in_functions_that_raise_never_stop_the_loop(weights, tokenizer)
         assert _stream_then_leave(s.base_url, 1) >= 0 and _all_free(s)
         assert any("cancel raised KeyError" in p for p in s.loop.problems)
         assert any("text_rule raised IndexError" in p for p in s.loop.problems)
+
+
+def test_a_leaving_client_reads_exactly_the_events_it_asked_for(server):
+    from lesson_utils.lab.serve_clients import leave_mid_stream
+
+    before = _aborted(server)
+    body = {"model": MODEL, "prompt": "a long story", "max_tokens": 60, "temperature": 0}
+    assert [leave_mid_stream(server.base_url, body, n) for n in (0, 1, 3)] == [0, 1, 3]
+    assert _all_free(server) and _aborted(server) - before == 3

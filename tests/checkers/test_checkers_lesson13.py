@@ -217,3 +217,14 @@ def drops_the_swapped_from_the_line(engine, seq):
 )
 def test_cancels_that_forget_swapped_samples_are_rejected(wrong, needle):
     assert rejected(lesson13.check_cancel_request(wrong), needle)
+
+
+def ignores_a_changed_context(decode, ids, start, sent):
+    before, after = decode(ids[start:sent]), decode(ids[start:])
+    if len(after) <= len(before) or after.endswith(REPLACEMENT):
+        return "", start, sent
+    return after[len(before) :], sent, len(ids)
+
+
+def test_a_rule_that_ignores_a_changed_context_is_rejected(tokenizer):
+    assert rejected(lesson13.check_safe_new_text(ignores_a_changed_context, tokenizer), "context's own text changed")
