@@ -49,7 +49,6 @@ from dataclasses import dataclass, field
 
 import torch
 from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_map
 
 from lesson_utils.core.device_places import (  # noqa: F401 - re-exported: the mode's public names in one place
     DATA_FACTORIES,
@@ -134,7 +133,9 @@ class DeviceDiscipline(TorchFunctionMode):
                 self._sync("repeat_interleave without output_size")
         where = self._check_mix(name, _tensors((args, kwargs)))
         result = func(*args, **kwargs)
-        tree_map(lambda t: _tag(t, where), result)
+        if where is not None:
+            for t in _tensors(result):
+                _tag(t, where)
         return result
 
     # -- the rules ------------------------------------------------------------------------------------

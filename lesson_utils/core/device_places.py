@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import SUPPORTED_NODES, tree_flatten
 
 DEVICE = torch.device("cpu", 0)  # stands for the GPU in this mode
 
@@ -156,7 +156,25 @@ def _describe(t: torch.Tensor) -> str:
 
 
 def _tensors(value) -> list[torch.Tensor]:
-    return [x for x in tree_flatten(value)[0] if isinstance(x, torch.Tensor)]
+    """Every tensor in ``value`` (nested tuples, lists and dicts, as torch's pytree flattens them)."""
+    found: list[torch.Tensor] = []
+    _collect(value, found)
+    return found
+
+
+def _collect(x, found: list) -> None:
+    # the mode runs on every torch call: plain containers are walked here, anything else pytree knows goes to it
+    # (an order of magnitude faster than tree_flatten on the engine's calls, same tensors found)
+    if isinstance(x, torch.Tensor):
+        found.append(x)
+    elif isinstance(x, (tuple, list)):
+        for y in x:
+            _collect(y, found)
+    elif isinstance(x, dict):
+        for y in x.values():
+            _collect(y, found)
+    elif type(x) in SUPPORTED_NODES:
+        found.extend(y for y in tree_flatten(x)[0] if isinstance(y, torch.Tensor))
 
 
 def _name(func) -> str:

@@ -184,3 +184,26 @@ def test_the_environment_variable_turns_it_on_for_a_process(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "caught" in out.stdout
+
+
+def test_the_fast_tensor_walk_finds_what_pytree_finds():
+    """The mode walks every call's arguments and results itself (pytree was most of its cost): the same tensors."""
+    import collections
+
+    from torch.utils._pytree import tree_flatten
+
+    from lesson_utils.core.device_places import _tensors
+
+    a, b, c = torch.zeros(1), torch.ones(2), torch.arange(3)
+    pair = collections.namedtuple("pair", "x y")
+    cases = [
+        (a, [b, (c, 3)], {"out": a}),
+        torch.max(torch.randn(3, 4), dim=1),  # a torch.return_types structseq
+        collections.OrderedDict(k=[a, {"z": b}]),
+        pair(a, [b, None, "text", 2.0]),
+        ((), [], {}, torch.Size([2, 3])),
+    ]
+    for case in cases:
+        want = [x for x in tree_flatten(case)[0] if isinstance(x, torch.Tensor)]
+        got = _tensors(case)
+        assert len(got) == len(want) and all(g is w for g, w in zip(got, want)), case
