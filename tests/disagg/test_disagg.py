@@ -218,11 +218,12 @@ def _spin(stop) -> None:
 
 
 @pytest.mark.slow
-def test_the_two_workers_end_cleanly_run_after_run_under_cpu_contention(saved_model):
-    """Another process spins on the cores while the two-worker path runs again and again: every run returns its
-    result. Before the workers left deterministically (process groups destroyed, reports flushed, os._exit), the
+def test_the_two_workers_end_cleanly_under_cpu_contention(saved_model):
+    """Another process spins on the cores while the two-worker path runs: the run returns its result and both
+    workers exit 0. Before the workers left deterministically (process groups destroyed, reports flushed, os._exit), the
     decode worker aborted at interpreter exit in about 1 run in 15 here ("terminate called without an active
-    exception", exit code -6) after delivering every output, and the run was reported as failed."""
+    exception", exit code -6) after delivering every output, and the run was reported as failed. One run per CI run
+    (two cost 8 s more): CI's repeated runs, and every other two-worker test here, keep looking for that end."""
     import multiprocessing as mp
 
     ctx = mp.get_context("spawn")
@@ -230,12 +231,11 @@ def test_the_two_workers_end_cleanly_run_after_run_under_cpu_contention(saved_mo
     spinner = ctx.Process(target=_spin, args=(stop,), daemon=True)
     spinner.start()
     try:
-        for run in range(2):  # each run a fresh pair of workers ending under contention
-            requests = _requests(seed=run)
-            cfg = DisaggConfig(model_dir=saved_model, num_blocks=32, block_size=4, timeout_s=20, warmup=False)
-            result = run_disaggregated(cfg, requests)
-            assert sorted(result.outputs) == [r for r, _, _ in requests] and result.all_blocks_free
-            assert result.exit_codes == {"prefill": 0, "decode": 0}  # a clean end, not only a forgiven one
+        requests = _requests(seed=0)
+        cfg = DisaggConfig(model_dir=saved_model, num_blocks=32, block_size=4, timeout_s=20, warmup=False)
+        result = run_disaggregated(cfg, requests)
+        assert sorted(result.outputs) == [r for r, _, _ in requests] and result.all_blocks_free
+        assert result.exit_codes == {"prefill": 0, "decode": 0}  # a clean end, not only a forgiven one
     finally:
         stop.set()
         spinner.join(timeout=10)
