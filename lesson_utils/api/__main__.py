@@ -1,10 +1,22 @@
 """``python -m lesson_utils.api [--port 8000] [--blocks 512]``: serve the trained SmolLM2-135M-Instruct on the course's
-engine (prefix cache on) until interrupted."""
+engine (prefix cache on) until interrupted (Ctrl+C, or SIGTERM) - then stop cleanly, exit code 0."""
 
 from __future__ import annotations
 
 import argparse
+import signal
 import time
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
+def _stop_on_signals() -> None:
+    # explicit: a process started from one that ignores SIGINT (a test runner's worker, a shell's background job)
+    # inherits the ignore, and Python then installs no Ctrl+C handler of its own
+    signal.signal(signal.SIGINT, _interrupt)
+    signal.signal(signal.SIGTERM, _interrupt)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -27,6 +39,7 @@ def main(argv: list[str] | None = None) -> None:
     engine = Engine(w, PagedKVCache.for_model(w, manager=manager))
     server = start_server(engine, lm.tokenizer, "SmolLM2-135M-Instruct", host=args.host, port=args.port)
     print(f"serving SmolLM2-135M-Instruct at {server.url} (OpenAI base_url {server.base_url}; chat page {server.url}/)")
+    _stop_on_signals()
     try:
         while True:
             time.sleep(1)

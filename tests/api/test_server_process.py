@@ -22,6 +22,8 @@ def served():
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
+        # as a shell's background job: SIGINT ignored (pytest-xdist's workers ignore it too); the server must still stop
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
     )
     lines, url, deadline = [], None, time.monotonic() + 120
     while url is None and time.monotonic() < deadline and proc.poll() is None:
@@ -52,7 +54,7 @@ def test_the_command_line_server_answers_the_openai_client(served):
     assert got.choices[0].message.content and 1 <= got.usage.completion_tokens <= 8
 
 
-def test_ctrl_c_stops_it_cleanly(served):
+def test_ctrl_c_stops_it_cleanly_even_where_sigint_was_ignored(served):
     proc, _ = served
     proc.send_signal(signal.SIGINT)
     assert proc.wait(timeout=30) == 0
