@@ -1,6 +1,6 @@
 """The chat page (lesson_utils/api/chat.html) in headless Chromium, driven by Playwright: a message sent shows the
 server's streamed reply - the same text the API answers whole - arriving in pieces; a second tab closed mid-reply
-aborts its request and leaves every block free.
+aborts its request and leaves every block free, and so does the page's Stop button.
 
 Chromium is Debian's (``.ci/run`` installs it when missing and sets ``COURSE_REQUIRE_BROWSER=1``, so CI cannot skip
 this); elsewhere the test is skipped, with the reason, when no ``chromium`` is on the PATH."""
@@ -169,3 +169,24 @@ def test_a_tab_closed_mid_reply_aborts_its_request_and_frees_its_blocks(browser,
         _SlowEngine.delay_s = 0.0
     assert _all_free(server), "blocks are still held after both tabs ended"
     assert _aborted(server) - before == 1, "the closed tab's request was not aborted (served to its end instead?)"
+
+
+def test_the_stop_button_aborts_the_reply_and_frees_its_blocks(browser, server):
+    before = _aborted(server)
+    _SlowEngine.delay_s = 0.015
+    page = _open(browser, server)
+    try:
+        _send(page, "Tell me a long story")
+        page.wait_for_function("document.querySelector('.assistant')?.textContent.length > 0", timeout=60_000)
+        page.click("#stop")
+        page.wait_for_function("document.getElementById('status').textContent.startsWith('stopped')", timeout=30_000)
+        assert page.is_disabled("#stop"), "the Stop button stays enabled after the reply ended"
+        assert _all_free(server), "blocks are still held after Stop"
+        assert _aborted(server) - before == 1, "Stop did not abort the request on the server"
+        _send(page, "And another one?")  # the conversation goes on after a stopped reply
+        page.wait_for_function("document.getElementById('status').textContent.endsWith('done')", timeout=60_000)
+        assert len(page.query_selector_all(".assistant")) == 2
+    finally:
+        page.close()
+        _SlowEngine.delay_s = 0.0
+    assert _all_free(server)
