@@ -20,6 +20,7 @@ installs it; nothing here ever falls back to random weights.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.metadata
 import importlib.util
@@ -121,6 +122,29 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
+@contextlib.contextmanager
+def _one_gguf_parse():
+    """transformers parses the GGUF file once for the tokenizer, once for the config and once for the weights (about
+    4 s each, mostly the 49,152-entry vocabulary); while converting, every parse of one path returns the same
+    read-only reader. transformers imports ``GGUFReader`` from ``gguf`` at each call: where it stops doing so, this
+    simply saves nothing."""
+    import gguf
+
+    original, readers = gguf.GGUFReader, {}
+
+    def reader(path, *args, **kwargs):
+        key = (str(path), args, tuple(sorted(kwargs.items())))
+        if key not in readers:
+            readers[key] = original(path, *args, **kwargs)
+        return readers[key]
+
+    gguf.GGUFReader = reader
+    try:
+        yield
+    finally:
+        gguf.GGUFReader = original
+
+
 def _convert(source: Path, folder: Path, digest: str) -> None:
     """Read the GGUF with transformers (4-bit values expanded to fp32), then write an ordinary fp32 folder.
 
@@ -134,8 +158,9 @@ def _convert(source: Path, folder: Path, digest: str) -> None:
     hf_logging.disable_progress_bar()  # the caller's one bar says what is happening
     tmp = Path(tempfile.mkdtemp(prefix=folder.name + ".", dir=folder.parent))
     try:
-        tokenizer = AutoTokenizer.from_pretrained(str(source.parent), gguf_file=source.name)
-        read = AutoModelForCausalLM.from_pretrained(str(source.parent), gguf_file=source.name, dtype=torch.float32)
+        with _one_gguf_parse():
+            tokenizer = AutoTokenizer.from_pretrained(str(source.parent), gguf_file=source.name)
+            read = AutoModelForCausalLM.from_pretrained(str(source.parent), gguf_file=source.name, dtype=torch.float32)
         fields = read.config.to_dict()
         fields.pop("quantization_config", None)
         fields.pop("_name_or_path", None)
