@@ -249,7 +249,10 @@ class EngineLoop:
         for i, sample in enumerate(live.samples):
             if not sample.done:
                 sample.done = True
-                self._send(live, Output(i, "", (), reason, error))
+                try:
+                    self._send(live, Output(i, "", (), reason, error))
+                except Exception as err:  # noqa: BLE001 - the sink that just failed (why we cancel) may fail again
+                    self._note_problem("publishing an output", err)
 
     def _fail_all(self, why: str) -> None:
         for rid in list(self._live):

@@ -272,3 +272,27 @@ def test_a_leaving_client_reads_exactly_the_events_it_asked_for(server):
     body = {"model": MODEL, "prompt": "a long story", "max_tokens": 60, "temperature": 0}
     assert [leave_mid_stream(server.base_url, body, n) for n in (0, 1, 3)] == [0, 1, 3]
     assert _all_free(server) and _aborted(server) - before == 3
+
+
+def test_a_sink_that_raises_ends_its_request_and_the_loop_goes_on(weights, tokenizer):
+    """A sink that fails (an HTTP handler whose event loop has closed): its request is cancelled, its blocks come
+    back, the failure is noted, and the next request is served."""
+    from lesson_utils.api.engine_loop import EngineLoop, SamplingParams
+
+    def broken(out):
+        raise RuntimeError("Event loop is closed")
+
+    loop = EngineLoop(_engine(weights), tokenizer).start()
+    try:
+        loop.submit([5, 6, 7, 8], SamplingParams(20), broken).result(30)
+        got = []
+        handle = loop.submit([9, 10, 11], SamplingParams(5), got.append).result(30)
+        deadline = time.monotonic() + 30
+        while not handle.finished and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert handle.finished and got[-1].finish_reason == "length"
+        m = loop.engine.manager
+        assert loop.call(lambda: m.num_free_blocks == m.view.num_blocks).result(10)
+        assert any("publishing an output raised RuntimeError" in p for p in loop.problems)
+    finally:
+        loop.stop()
